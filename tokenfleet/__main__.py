@@ -1,0 +1,5 @@
+import sys
+
+from tokenfleet.cli import main
+
+sys.exit(main())

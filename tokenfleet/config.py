@@ -1,0 +1,37 @@
+"""Typed configuration. Today: the engine's options (the same names as vLLM's engine arguments where they exist)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str = "auto"  # auto = the checkpoint's dtype; or float32 / bfloat16 / float16
+    device: str = "auto"  # auto = cuda when present, else cpu
+    max_model_len: int | None = None  # defaults to the model's context window
+    block_size: int = 16
+    kv_cache_gib: float = 2.0  # KV cache budget on CPU
+    gpu_memory_utilization: float = 0.9  # fraction of free GPU memory the KV cache may take
+    swap_space_gib: float = 1.0  # host memory for swapped-out KV blocks
+    swap_threshold_tokens: int = 512  # preempted sequences this long are swapped, shorter ones recomputed
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    watermark: float = 0.01  # fraction of blocks kept free when admitting, headroom for running sequences
+    enable_prefix_caching: bool = True
+    skip_tokenizer_init: bool = False
+
+    @classmethod
+    def from_options(cls, model: str, **options) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(model=model, **options)
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)

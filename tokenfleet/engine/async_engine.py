@@ -1,0 +1,119 @@
+"""AsyncEngine: the step loop on its own thread; each request gets an async stream of outputs and can be aborted.
+
+The loop never waits on a consumer: outputs are handed to the consumer's event loop with call_soon_threadsafe
+into an unbounded queue, and aborts arrive through a thread-safe inbox applied before the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from tokenfleet.config import EngineConfig
+from tokenfleet.engine.engine import Engine, RequestOutput
+from tokenfleet.engine.request import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, engine: Engine | None = None) -> None:
+        self.engine = engine or Engine(config)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="tokenfleet-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Streams the request's outputs; leaving the iteration early (or being cancelled) aborts the request.
+
+        Raises ValueError for a bad request (before any output)."""
+        request_id = request_id or f"async-{next(self._ids)}"
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._send(("add", request_id, prompt, params, priority))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wakeup.set()
+        self._thread.join(timeout=10)
+
+    def _send(self, command: tuple) -> None:
+        self._inbox.put(command)
+        self._wakeup.set()
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._apply_commands()
+            if not self.engine.has_unfinished():
+                self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a bug, not a bad request: fail what is in flight and keep the loop alive
+                log.exception("engine step crashed")
+                self._fail_all(e)
+                continue
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is not None:
+                    stream.put(output)
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id, stream in list(self._streams.items()):
+            self.engine.abort(request_id)
+            stream.put(RuntimeError(f"engine step failed: {error}"))
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "abort":
+                self.engine.abort(command[1])
+                continue
+            _, request_id, prompt, params, priority = command
+            try:
+                self.engine.add_request(prompt, params, request_id=request_id, priority=priority)
+            except Exception as e:  # the request is bad; the engine goes on
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    stream.put(e if isinstance(e, ValueError) else ValueError(str(e)))

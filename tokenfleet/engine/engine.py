@@ -1,0 +1,203 @@
+"""Engine.step(): schedule, run the model, sample, and turn new tokens into per-request outputs."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from dataclasses import dataclass, field
+from tokenfleet.config import EngineConfig
+from tokenfleet.engine.kv_blocks import KVBlockManager
+from tokenfleet.engine.request import Request, SamplingParams, TokenLogprob
+from tokenfleet.engine.runner import ModelRunner
+from tokenfleet.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tokenfleet.model.config import parse_dtype
+from tokenfleet.model.loader import load_model
+from tokenfleet.model.sampler import Sampler
+from tokenfleet.model.tokenizer import StopStringMatcher, Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """What a request produced so far; `new_*` fields hold what this step added."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    num_cached_tokens: int
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    req: Request
+    detok: StopStringMatcher | None
+    text: str = ""
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.resolved_device()
+        dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
+        self.tokenizer = None if config.skip_tokenizer_init else Tokenizer.from_dir(config.model)
+        model_config_len = self._max_model_len(config)
+        self.model = load_model(config.model, dtype, self.device, max_positions=model_config_len)
+        self.model_config = self.model.config
+        self.max_model_len = model_config_len
+        self.runner = ModelRunner(self.model, config, self.device)
+        self.blocks = KVBlockManager(self.runner.num_blocks, config.block_size, self.runner.num_host_blocks,
+                                     config.watermark, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   config.swap_threshold_tokens), self.blocks)
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None:
+            self.eos_token_ids |= self.tokenizer.eos_token_ids
+        self.sampler = Sampler(self.eos_token_ids)
+        self.tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+
+    @staticmethod
+    def _max_model_len(config: EngineConfig) -> int:
+        from tokenfleet.model.config import ModelConfig
+        window = ModelConfig.from_dir(config.model).max_model_len
+        if config.max_model_len is not None and config.max_model_len > window:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context window {window}")
+        return config.max_model_len or window
+
+    # --- requests -----------------------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0) -> Request:
+        """Validates and queues a request; raises ValueError naming the problem."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.tracked:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids = self._prompt_tokens(prompt)
+        self._validate(token_ids, params)
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(token_ids))
+        req = Request(request_id, token_ids, params, priority=priority)
+        detok = None if self.tokenizer is None else StopStringMatcher.for_request(self.tokenizer, token_ids, params.stop)
+        self.tracked[request_id] = _Tracked(req, detok)
+        self.scheduler.add(req)
+        return req
+
+    def _prompt_tokens(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; pass token ids or enable the tokenizer")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        if not token_ids:
+            raise ValueError("the prompt is empty: it must contain at least one token")
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        n, limit = len(token_ids), self.max_model_len
+        if n >= limit:
+            raise ValueError(f"the prompt has {n} tokens, but this model's maximum context length is {limit} "
+                             f"tokens (prompt plus at least one generated token)")
+        if params.max_tokens is not None and n + params.max_tokens > limit:
+            raise ValueError(f"this model's maximum context length is {limit} tokens; you requested "
+                             f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} to generate)")
+        needed = self.blocks.blocks_for(n + (params.max_tokens or limit - n))
+        capacity = self.blocks.num_blocks - self.blocks.watermark_blocks
+        if needed > capacity:
+            raise ValueError(f"the request needs {needed} KV cache blocks, but the cache holds {capacity}; "
+                             f"lower max_tokens or give the KV cache more memory")
+
+    def abort(self, request_id: str) -> bool:
+        """Cancels a request in any state; its blocks are freed now. Returns False if it is unknown or done."""
+        tracked = self.tracked.pop(request_id, None)
+        if tracked is None:
+            return False
+        self.scheduler.finish(tracked.req, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # --- the step -----------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        try:
+            logits, sampled = self.runner.execute(out)
+            result = self.sampler(logits, sampled) if sampled else None
+        except Exception as e:  # a failed step fails its requests, never the engine
+            log.exception("model step failed")
+            return self._fail_step(out, f"model step failed: {e}")
+        self.scheduler.update(out)
+        if result is None:
+            return []
+        return [self._append(req, tok, lp) for req, tok, lp in zip(sampled, result.token_ids, result.logprobs)]
+
+    def _fail_step(self, out: SchedulerOutput, message: str) -> list[RequestOutput]:
+        outputs = []
+        for chunk in out.chunks:
+            tracked = self.tracked.pop(chunk.req.request_id, None)
+            if tracked is not None:
+                self.scheduler.finish(chunk.req, "error")
+                chunk.req.error = message
+                outputs.append(self._output(tracked, [], "", []))
+        return outputs
+
+    def _append(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        tracked = self.tracked[req.request_id]
+        req.append_token(token)
+        if logprob is not None:
+            req.logprobs.append(logprob)
+        reason = self._token_stop(req, token)
+        delta = self._detokenize(tracked, token, reason)
+        if reason != "stop" and tracked.detok is not None and tracked.detok.matched is not None:
+            reason, req.stop_reason = "stop", tracked.detok.matched
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+            del self.tracked[req.request_id]
+        return self._output(tracked, [token], delta, [logprob] if logprob else [])
+
+    @staticmethod
+    def _detokenize(tracked: _Tracked, token: int, reason: str | None) -> str:
+        """New text for this token; a token that stops the request (eos, stop token id) adds no text."""
+        if tracked.detok is None:
+            return ""
+        delta, _ = tracked.detok.add([] if reason == "stop" else [token])
+        if reason is not None:
+            delta += tracked.detok.flush()
+        tracked.text += delta
+        return delta
+
+    def _token_stop(self, req: Request, token: int) -> str | None:
+        params = req.params
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                req.stop_reason = None
+                return "stop"
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return "stop"
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, tracked: _Tracked, new_ids: list[int], delta: str, new_lps: list) -> RequestOutput:
+        req = tracked.req
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, token_ids=req.output_token_ids,
+            text=tracked.text, new_token_ids=new_ids, new_text=delta, num_cached_tokens=max(req.num_cached_tokens, 0),
+            finished=req.is_finished, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+            error=req.error, logprobs=req.logprobs, new_logprobs=new_lps)

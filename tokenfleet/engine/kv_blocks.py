@@ -1,0 +1,182 @@
+"""The paged KV cache's bookkeeping: a pool of fixed-size blocks, block tables, prefix caching, swap space.
+
+Every device block is in exactly one of two states: owned (ref_count > 0, in one or more block tables) or free
+(ref_count == 0, in the LRU free list). A free block may still hold a cached prefix (it has a hash): it is reused
+on a prefix hit, or evicted - least recently used first - when a fresh block is needed.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+from tokenfleet.engine.request import Request
+
+
+def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """A block's key: chained over its parent's key and its own tokens, so equal keys mean equal prefixes."""
+    digest = hashlib.blake2b(digest_size=16)
+    if parent is not None:
+        digest.update(parent)
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int, start: list[bytes] | None = None) -> list[bytes]:
+    """Keys of every full block of `token_ids`; `start` holds keys already known for its leading blocks."""
+    hashes = list(start or [])
+    for i in range(len(hashes), len(token_ids) // block_size):
+        parent = hashes[-1] if hashes else None
+        hashes.append(hash_block(parent, token_ids[i * block_size:(i + 1) * block_size]))
+    return hashes
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: bytes | None = None
+    token_ids: tuple[int, ...] = ()  # kept for the collision check on a hit
+
+
+class KVBlockManager:
+    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0, watermark: float = 0.01,
+                 enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU order, front evicted first
+        self.cached: dict[bytes, int] = {}
+        self.free_host: list[int] = list(range(num_host_blocks))
+        self.watermark_blocks = max(1, int(watermark * num_blocks)) if watermark > 0 else 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / len(self.blocks)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # --- prefix cache -------------------------------------------------------------------------------------
+
+    def match_prefix(self, req: Request) -> list[int]:
+        """Cached blocks holding the longest prefix of the request's tokens (always leaving one token to compute)."""
+        if not self.enable_prefix_caching:
+            return []
+        req.block_hashes = prefix_block_hashes(req.token_ids, self.block_size, req.block_hashes)
+        usable = (req.num_tokens - 1) // self.block_size
+        hits = []
+        for i, key in enumerate(req.block_hashes[:usable]):
+            block_id = self.cached.get(key)
+            if block_id is None or self.blocks[block_id].token_ids != self._block_tokens(req, i):
+                break
+            hits.append(block_id)
+        return hits
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Registers the request's newly computed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = req.num_computed_tokens // self.block_size
+        req.block_hashes = prefix_block_hashes(req.token_ids[:num_full * self.block_size], self.block_size,
+                                               req.block_hashes[:num_full])
+        for i in range(req.num_cached_blocks, num_full):
+            block = self.blocks[req.block_table[i]]
+            key = req.block_hashes[i]
+            if block.hash is None and key not in self.cached:
+                block.hash, block.token_ids = key, self._block_tokens(req, i)
+                self.cached[key] = block.block_id
+        req.num_cached_blocks = max(req.num_cached_blocks, num_full)
+
+    def _block_tokens(self, req: Request, i: int) -> tuple[int, ...]:
+        return tuple(req.token_ids[i * self.block_size:(i + 1) * self.block_size])
+
+    # --- allocation ---------------------------------------------------------------------------------------
+
+    def admission_cost(self, req: Request, hits: list[int], num_new_tokens: int) -> int:
+        """Free blocks that admitting the request with these prefix hits and this first chunk would consume."""
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        fresh = self.blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
+        return revived + fresh
+
+    def can_admit(self, cost: int) -> bool:
+        return len(self.free) - cost >= self.watermark_blocks
+
+    def admit(self, req: Request, hits: list[int], num_new_tokens: int) -> None:
+        for block_id in hits:
+            self._ref(block_id)
+        req.block_table = list(hits)
+        req.num_computed_tokens = len(hits) * self.block_size
+        req.num_cached_blocks = len(hits)
+        self.grow(req, num_new_tokens)
+
+    def blocks_needed(self, req: Request, num_new_tokens: int) -> int:
+        return max(0, self.blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.block_table))
+
+    def grow(self, req: Request, num_new_tokens: int) -> None:
+        for _ in range(self.blocks_needed(req, num_new_tokens)):
+            req.block_table.append(self._take_free())
+
+    def free_request(self, req: Request) -> None:
+        """Drops the request's references; blocks keep their cached contents, the tail ones are evicted first."""
+        for block_id in reversed(req.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+                if block.hash is None:
+                    self.free.move_to_end(block_id, last=False)  # nothing worth keeping: reuse it first
+        req.block_table = []
+        req.num_cached_blocks = 0
+
+    def _take_free(self) -> int:
+        """A fresh block, owned once: the least recently used free one, its cached prefix evicted."""
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            if self.cached.get(block.hash) == block_id:
+                del self.cached[block.hash]
+            block.hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1
+
+    # --- swap space ---------------------------------------------------------------------------------------
+
+    def can_swap_out(self, req: Request) -> bool:
+        return len(self.free_host) >= len(req.block_table)
+
+    def swap_out(self, req: Request) -> list[tuple[int, int]]:
+        """Moves the request's blocks to host memory; returns (device block, host block) copies to perform."""
+        host_blocks = [self.free_host.pop() for _ in req.block_table]
+        copies = list(zip(req.block_table, host_blocks))
+        self.free_request(req)
+        req.block_table = host_blocks
+        return copies
+
+    def swap_in(self, req: Request) -> list[tuple[int, int]]:
+        """Brings a swapped request's blocks back; returns (host block, device block) copies to perform."""
+        copies = []
+        for host_block in req.block_table:
+            copies.append((host_block, self._take_free()))
+        self.free_host.extend(req.block_table)
+        req.block_table = [device for _, device in copies]
+        return copies
+
+    def free_swapped(self, req: Request) -> None:
+        self.free_host.extend(req.block_table)
+        req.block_table = []

@@ -1,0 +1,137 @@
+"""Turns a scheduler decision into the step's tensors, moves swapped blocks, and runs the model."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tokenfleet.config import EngineConfig
+from tokenfleet.engine.request import Request
+from tokenfleet.engine.scheduler import ScheduledChunk, SchedulerOutput
+from tokenfleet.model.attention import AttentionMetadata, PrefillChunk
+from tokenfleet.model.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+GIB = 1 << 30
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampled: list[Request]  # one per logits row
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, device: torch.device) -> None:
+        self.model, self.device, self.block_size = model, device, config.block_size
+        cfg = model.config
+        dtype = next(model.parameters()).dtype
+        bytes_per_block = config.block_size * cfg.kv_bytes_per_token(dtype)
+        self.num_blocks = self._device_blocks(config, bytes_per_block)
+        self.num_host_blocks = int(config.swap_space_gib * GIB // bytes_per_block)
+        shape = (cfg.num_layers, 2, None, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_cache = torch.zeros(self._shape(shape, self.num_blocks), dtype=dtype, device=device)
+        self.host_cache = torch.zeros(self._shape(shape, self.num_host_blocks), dtype=dtype,
+                                      pin_memory=device.type == "cuda")
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB), swap space %d blocks", self.num_blocks,
+                 config.block_size, self.num_blocks * bytes_per_block / GIB, self.num_host_blocks)
+
+    def _shape(self, shape: tuple, num_blocks: int) -> tuple:
+        return shape[:2] + (num_blocks * self.block_size,) + shape[3:]
+
+    def _device_blocks(self, config: EngineConfig, bytes_per_block: int) -> int:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - config.gpu_memory_utilization) * total
+        else:
+            budget = config.kv_cache_gib * GIB
+        num_blocks = int(budget // bytes_per_block)
+        if num_blocks < 2:
+            raise ValueError(f"the KV cache budget ({budget / GIB:.3f} GiB) holds fewer than 2 blocks of "
+                             f"{bytes_per_block} bytes; raise kv_cache_gib or gpu_memory_utilization")
+        return num_blocks
+
+    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[Request]]:
+        """Runs one step; returns logits [len(sampled), vocab] and the requests those rows belong to."""
+        self._swap(out)
+        if not out.chunks:
+            return None, []
+        inputs = self.prepare(out.chunks)
+        logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, inputs.logits_indices)
+        return logits, inputs.sampled
+
+    def _swap(self, out: SchedulerOutput) -> None:
+        if out.swap_out:
+            self._copy_blocks(self.kv_cache, self.host_cache, out.swap_out)
+        if out.swap_in:
+            self._copy_blocks(self.host_cache, self.kv_cache, out.swap_in)
+
+    def _copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+        src_slots = self._slots_of_blocks([s for s, _ in pairs], src.device)
+        dst_slots = self._slots_of_blocks([d for _, d in pairs], dst.device)
+        dst[:, :, dst_slots] = src[:, :, src_slots].to(dst.device, non_blocking=True)
+
+    def _slots_of_blocks(self, blocks: list[int], device: torch.device) -> torch.Tensor:
+        offsets = torch.arange(self.block_size)
+        return (torch.tensor(blocks).unsqueeze(1) * self.block_size + offsets).flatten().to(device)
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
+        decodes = [c for c in chunks if c.num_tokens == 1]
+        prefills = [c for c in chunks if c.num_tokens > 1]
+        ids, positions, slots, rows, sampled = self._decode_inputs(decodes)
+        prefill_meta = []
+        for chunk in prefills:
+            start, n, req = chunk.req.num_computed_tokens, chunk.num_tokens, chunk.req
+            pos = torch.arange(start, start + n)
+            table = torch.tensor(req.block_table)
+            prefill_meta.append(self._prefill_chunk(len(ids), start, n, table))
+            ids.extend(req.token_ids[start:start + n])
+            positions.append(pos)
+            slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+            if chunk.samples:
+                rows.append(len(ids) - 1)
+                sampled.append(req)
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slots).to(self.device), num_decodes=len(decodes),
+            decode_slot_index=None, decode_mask=None, prefills=prefill_meta)
+        if decodes:
+            meta.decode_slot_index, meta.decode_mask = self._decode_context(decodes)
+        return StepInputs(torch.tensor(ids, device=self.device), torch.cat(positions).to(self.device), meta,
+                          torch.tensor(rows, dtype=torch.long, device=self.device), sampled)
+
+    def _decode_inputs(self, decodes: list[ScheduledChunk]) -> tuple[list, list, list, list, list]:
+        bs = self.block_size
+        ids, pos, slots = [], [], []
+        for chunk in decodes:
+            req = chunk.req
+            p = req.num_computed_tokens
+            ids.append(req.token_ids[p])
+            pos.append(p)
+            slots.append(req.block_table[p // bs] * bs + p % bs)
+        rows = [i for i, c in enumerate(decodes) if c.samples]
+        return ids, [torch.tensor(pos, dtype=torch.long)], [torch.tensor(slots, dtype=torch.long)], rows, \
+            [decodes[i].req for i in rows]
+
+    def _decode_context(self, decodes: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache slots of every decode's context, padded to the longest, and the mask of the real ones."""
+        context_lens = [c.req.num_computed_tokens + 1 for c in decodes]
+        width = -(-max(context_lens) // self.block_size)
+        tables = torch.zeros(len(decodes), width, dtype=torch.long)
+        for i, chunk in enumerate(decodes):
+            used = chunk.req.block_table[:width]
+            tables[i, :len(used)] = torch.tensor(used)
+        index = (tables.unsqueeze(2) * self.block_size + torch.arange(self.block_size)).view(len(decodes), -1)
+        mask = torch.arange(index.shape[1]) < torch.tensor(context_lens).unsqueeze(1)
+        return index.to(self.device), mask[:, None, None, :].to(self.device)
+
+    def _prefill_chunk(self, query_start: int, start: int, n: int, table: torch.Tensor) -> PrefillChunk:
+        if start == 0:
+            return PrefillChunk(query_start, n, n, None, None)
+        context = torch.arange(start + n)
+        index = table[context // self.block_size] * self.block_size + context % self.block_size
+        mask = context.unsqueeze(0) <= torch.arange(start, start + n).unsqueeze(1)
+        return PrefillChunk(query_start, n, start + n, index.to(self.device), mask.to(self.device))

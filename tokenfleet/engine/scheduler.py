@@ -1,0 +1,153 @@
+"""One decision per model step: which tokens of which requests go into the next forward pass.
+
+Order of work: running decodes, then running prefill chunks, then admissions from the queue (swapped and waiting
+requests, most important class first, first come first served within a class). Everything shares one token budget
+(chunked prefill). When blocks run out, the victim is the lowest class, then the one with the least work done;
+a queued request may also preempt running work of a strictly lower class.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from tokenfleet.engine.kv_blocks import KVBlockManager
+from tokenfleet.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    swap_threshold_tokens: int = 512  # preempted sequences this long are swapped to host memory, shorter recomputed
+
+
+@dataclass
+class ScheduledChunk:
+    req: Request
+    num_tokens: int  # tokens computed this step, starting at req.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the request's tokens, so the step yields its next token."""
+        return self.req.num_computed_tokens + self.num_tokens == self.req.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+def victim_key(req: Request) -> tuple[int, int, float]:
+    """Larger = preempted first: lowest class (largest number), then least work done, then latest arrival."""
+    return (req.priority, -req.num_computed_tokens, req.arrival_time)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: KVBlockManager) -> None:
+        self.config, self.blocks = config, blocks
+        self.queue: list[Request] = []  # waiting and swapped, in rank order
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        bisect.insort(self.queue, req, key=Request.rank)
+
+    def has_work(self) -> bool:
+        return bool(self.queue or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        self.running.sort(key=lambda r: (r.num_uncomputed_tokens > 1, r.rank()))  # decodes, then prefill chunks
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status is RequestStatus.RUNNING:  # not preempted earlier in this loop
+                budget -= self._schedule_running(req, min(req.num_uncomputed_tokens, budget), out)
+        while self.queue and budget > 0:
+            scheduled = self._admit(self.queue[0], budget, out)
+            if not scheduled:
+                break
+            budget -= scheduled
+        return out
+
+    def _schedule_running(self, req: Request, n: int, out: SchedulerOutput) -> int:
+        """Schedules n tokens of a running request, preempting to make room; returns the budget used (net)."""
+        refund = 0
+        while self.blocks.blocks_needed(req, n) > self.blocks.num_free_blocks:
+            victim = max(self.running, key=victim_key)  # never of a higher class than req, which is a candidate
+            refund += self._preempt(victim, out)
+            if victim is req:
+                return -refund
+        self.blocks.grow(req, n)
+        out.chunks.append(ScheduledChunk(req, n))
+        return n - refund
+
+    def _admit(self, req: Request, budget: int, out: SchedulerOutput) -> int:
+        """Moves the head of the queue into the running batch; returns the tokens scheduled (0 if it cannot)."""
+        while True:
+            if req.status is RequestStatus.SWAPPED:
+                n = min(req.num_uncomputed_tokens, budget)
+                cost, hits = len(req.block_table) + self.blocks.blocks_needed(req, n), []
+            else:
+                hits = self.blocks.match_prefix(req)
+                n = min(req.num_tokens - len(hits) * self.blocks.block_size, budget)
+                cost = self.blocks.admission_cost(req, hits, n)
+            if self.blocks.can_admit(cost) and len(self.running) < self.config.max_num_seqs:
+                break
+            lower = [r for r in self.running if r.priority > req.priority]
+            if not lower:
+                return 0
+            budget += self._preempt(max(lower, key=victim_key), out)
+        self.queue.remove(req)
+        if req.status is RequestStatus.SWAPPED:
+            out.swap_in += self.blocks.swap_in(req)
+            self.blocks.grow(req, n)
+        else:
+            self.blocks.admit(req, hits, n)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        out.chunks.append(ScheduledChunk(req, n))
+        return n
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> int:
+        """Sends a running request back to the queue, keeping its place; returns the budget it gives back."""
+        refund = 0
+        for i, chunk in enumerate(out.chunks):
+            if chunk.req is req:
+                refund = out.chunks.pop(i).num_tokens
+                break
+        self.running.remove(req)
+        if req.num_computed_tokens >= self.config.swap_threshold_tokens and self.blocks.can_swap_out(req):
+            out.swap_out += self.blocks.swap_out(req)
+            req.status = RequestStatus.SWAPPED
+        else:
+            self.blocks.free_request(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.add(req)
+        return refund
+
+    def update(self, out: SchedulerOutput) -> None:
+        """Records that the step computed the scheduled tokens (their KV is now in the cache)."""
+        for chunk in out.chunks:
+            chunk.req.num_computed_tokens += chunk.num_tokens
+            self.blocks.cache_full_blocks(chunk.req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        if req.is_finished:
+            return
+        if req.status is RequestStatus.SWAPPED:
+            self.blocks.free_swapped(req)
+        else:
+            self.blocks.free_request(req)
+        (self.running if req.status is RequestStatus.RUNNING else self.queue).remove(req)
+        req.status, req.finish_reason = RequestStatus.FINISHED, reason

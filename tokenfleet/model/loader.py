@@ -1,0 +1,124 @@
+"""Loads a Hugging Face checkpoint folder (config.json + *.safetensors, sharded or not) into our model."""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from tokenfleet.model.config import ModelConfig
+from tokenfleet.model.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+_IGNORED = re.compile(r".*(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
+# HF name (without the "model." prefix) -> (our name, index of the slice inside a fused weight or None)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+               max_positions: int | None = None) -> LlamaForCausalLM:
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model folder {path} does not exist")
+    config = ModelConfig.from_dir(path)
+    dtype = dtype or config.dtype
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    model.rope.build(device)
+    loaded = _load_weights(model, path)
+    _check_complete(model, loaded)
+    return model.eval()
+
+
+def weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index: {e}") from e
+        files = [path / name for name in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"weights listed in {index.name} are missing: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path} (tokenfleet loads safetensors checkpoints)")
+    return files
+
+
+def _load_weights(model: LlamaForCausalLM, path: Path) -> set[str]:
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for file in weight_files(path):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    target = _place(model, params, name, f.get_tensor(name))
+                    if target:
+                        loaded.add(target)
+        except (OSError, SafetensorError) as e:
+            raise ValueError(f"cannot read weights file {file}: {e}") from e
+    return loaded
+
+
+def _place(model: LlamaForCausalLM, params: dict, name: str, tensor: torch.Tensor) -> str | None:
+    """Copies one checkpoint tensor into its parameter (or its slice of a fused one); returns the parameter name."""
+    if _IGNORED.match(name):
+        return None
+    if name == "lm_head.weight" and model.lm_head is None:
+        return None  # tied embeddings: some checkpoints still store the copy
+    ours, part = _our_name(name)
+    if ours not in params:
+        log.warning("ignoring unexpected weight %s", name)
+        return None
+    param = params[ours]
+    dest = param.data if part is None else _fused_slice(model, ours, param.data, part)
+    if dest.shape != tensor.shape:
+        raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+    dest.copy_(tensor)
+    return ours if part is None else f"{ours}#{part}"
+
+
+def _our_name(name: str) -> tuple[str, int | None]:
+    name = name.removeprefix("model.")
+    for hf, (fused, part) in _FUSED.items():
+        if f".{hf}." in name:
+            return name.replace(hf, fused), part
+    return name, None
+
+
+def _fused_slice(model: LlamaForCausalLM, name: str, data: torch.Tensor, part: int) -> torch.Tensor:
+    config = model.config
+    if "qkv_proj" in name:
+        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        sizes = [q, kv, kv]
+    else:
+        sizes = [config.intermediate_size] * 2
+    start = sum(sizes[:part])
+    return data[start:start + sizes[part]]
+
+
+def _check_complete(model: LlamaForCausalLM, loaded: set[str]) -> None:
+    missing = []
+    for name, _ in model.named_parameters():
+        parts = 3 if "qkv_proj" in name else 2 if "gate_up_proj" in name else 0
+        wanted = {f"{name}#{i}" for i in range(parts)} if parts else {name}
+        if not wanted <= loaded:
+            missing.append(name)
+    if missing:
+        raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
+                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))

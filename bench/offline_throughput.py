@@ -147,9 +147,8 @@ def ensure_checkpoint(args) -> tuple[Path, str]:
     root = Path(args.ckpt_root)
     if not args.builtin_checkpoint:
         d = root / f"demo-{args.size}"
-        if _ckpt_complete(d):
-            return d, f"`tokenfleet demo-model --size {args.size}` (cached)"
-        cmd = None
+        # regenerated every run (a few seconds) so it never goes stale while demo-model evolves
+        shutil.rmtree(d, ignore_errors=True)
         if shutil.which("tokenfleet"):
             cmd = ["tokenfleet", "demo-model", str(d), "--size", args.size]
         else:
@@ -284,8 +283,15 @@ def worker_tokenfleet(spec: dict, reqs: list[dict], warm: list[dict]) -> dict:
     wall = time.perf_counter() - t
     import tokenfleet
 
-    return {"wall_s": wall, "load_s": load_s, "outputs": outputs,
-            "version": getattr(tokenfleet, "__version__", "?"), "torch": torch.__version__,
+    version = getattr(tokenfleet, "__version__", None)
+    if version is None:
+        try:
+            from importlib.metadata import version as _v
+
+            version = _v("tokenfleet")
+        except Exception:  # noqa: BLE001
+            version = "?"
+    return {"wall_s": wall, "load_s": load_s, "outputs": outputs, "version": version, "torch": torch.__version__,
             "notes": f"engine options {spec.get('tokenfleet_options', {})}"}
 
 
@@ -498,6 +504,22 @@ def worker_main(system: str, spec_path: str, out_path: str) -> None:
 # orchestration
 # ----------------------------------------------------------------------------------------------------------------- #
 
+def cpu_busy(seconds: float = 1.0) -> float:
+    """Fraction of all CPUs busy during `seconds` (from /proc/stat), measured while this harness is idle."""
+    def snap():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        idle = v[3] + (v[4] if len(v) > 4 else 0)
+        return sum(v) - idle, sum(v)
+    try:
+        b0, t0 = snap()
+        time.sleep(seconds)
+        b1, t1 = snap()
+        return (b1 - b0) / max(1, t1 - t0)
+    except OSError:
+        return 0.0
+
+
 def run_system(system: str, args, spec_path: Path, run_dir: Path) -> tuple[dict | None, str]:
     out = run_dir / f"result_{system}.json"
     log = run_dir / f"log_{system}.txt"
@@ -525,7 +547,10 @@ def run_system(system: str, args, spec_path: Path, run_dir: Path) -> tuple[dict 
     else:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", system, "--spec", str(spec_path),
                "--result", str(out)]
-    print(f"[{system}] running ... (log: {log})", flush=True)
+    busy = cpu_busy()
+    print(f"[{system}] running ... (log: {log}; CPU busy before start {100 * busy:.0f}%"
+          + (" -- WARNING: something else is running, timings will be unreliable" if busy > 0.25 else "") + ")",
+          flush=True)
     t = time.perf_counter()
     with open(log, "w") as f:
         try:
@@ -540,6 +565,7 @@ def run_system(system: str, args, spec_path: Path, run_dir: Path) -> tuple[dict 
         last = next((ln for ln in reversed(tail) if ln.strip()), "")
         return None, f"failed (rc={rc}): {last[-200:]}"
     res = json.loads(out.read_text())
+    res["cpu_busy_before_start"] = busy
     print(f"[{system}] done in {took:.0f}s (generation {res['wall_s']:.2f}s)", flush=True)
     return res, "ok"
 
@@ -708,8 +734,11 @@ def main(argv=None) -> None:
             wall = res["wall_s"]
             row.update(wall_s=wall, load_s=res.get("load_s"), output_tok_s=output_tokens / wall,
                        total_tok_s=(prompt_tokens + output_tokens) / wall, req_s=len(reqs) / wall,
-                       notes=res.get("notes", ""), version=res.get("version"))
+                       notes=res.get("notes", ""), version=res.get("version"),
+                       cpu_busy_before_start=res["cpu_busy_before_start"])
             short = []
+            if res["cpu_busy_before_start"] > 0.25:
+                short.append(f"WARNING: CPU {100 * res['cpu_busy_before_start']:.0f}% busy before start")
             if res.get("outputs") is not None:
                 lens_ok = all(len(o) == r["max_tokens"] for o, r in zip(res["outputs"], reqs)) and \
                     len(res["outputs"]) == len(reqs)

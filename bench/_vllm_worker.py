@@ -12,6 +12,9 @@ import os
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _cpuprobe import CpuProbe  # noqa: E402  (stdlib only)
+
 
 def main(spec_path: str, out_path: str) -> None:
     with open(spec_path) as f:
@@ -41,9 +44,12 @@ def main(spec_path: str, out_path: str) -> None:
     warm = [{"prompt_token_ids": r["prompt_token_ids"], "max_tokens": spec["warmup_tokens"]}
             for r in reqs[: spec["warmup_requests"]]]
     run(warm)
+    probe = CpuProbe()
+    probe.start()
     t = time.perf_counter()
     outputs = run(reqs)
     wall = time.perf_counter() - t
+    others = probe.stop(wall)
 
     sched = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
     sched = getattr(sched, "scheduler_config", None)
@@ -52,7 +58,7 @@ def main(spec_path: str, out_path: str) -> None:
         extra = (f"; max_num_seqs {getattr(sched, 'max_num_seqs', '?')}, "
                  f"max_num_batched_tokens {getattr(sched, 'max_num_batched_tokens', '?')}")
     result = {
-        "wall_s": wall, "load_s": load_s, "outputs": outputs, "version": vllm.__version__,
+        "wall_s": wall, "load_s": load_s, "outputs": outputs, "version": vllm.__version__, "others_cpu": others,
         "torch": torch.__version__,
         "notes": (f"LLM(dtype=float32, enforce_eager=True, max_model_len={spec['max_model_len']}), "
                   f"VLLM_CPU_KVCACHE_SPACE={os.environ.get('VLLM_CPU_KVCACHE_SPACE')} GiB, "

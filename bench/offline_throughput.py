@@ -73,6 +73,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+from _cpuprobe import CpuProbe  # noqa: E402  (stdlib only)
+CONTENDED = 0.10  # others_cpu above this (fraction of all cores) marks a timing as unreliable
 ALL_SYSTEMS = ["tokenfleet", "hf_static", "hf_cb", "vllm", "ceiling"]
 LABELS = {
     "tokenfleet": "tokenfleet (LLM.generate)",
@@ -278,9 +281,12 @@ def worker_tokenfleet(spec: dict, reqs: list[dict], warm: list[dict]) -> dict:
         return [list(o.token_ids) for o in outs]
 
     run(warm)
+    probe = CpuProbe()
+    probe.start()
     t = time.perf_counter()
     outputs = run(reqs)
     wall = time.perf_counter() - t
+    others = probe.stop(wall)
     import tokenfleet
 
     version = getattr(tokenfleet, "__version__", None)
@@ -292,6 +298,7 @@ def worker_tokenfleet(spec: dict, reqs: list[dict], warm: list[dict]) -> dict:
         except Exception:  # noqa: BLE001
             version = "?"
     return {"wall_s": wall, "load_s": load_s, "outputs": outputs, "version": version, "torch": torch.__version__,
+            "others_cpu": others,
             "notes": f"engine options {spec.get('tokenfleet_options', {})}"}
 
 
@@ -335,10 +342,14 @@ def worker_hf_static(spec: dict, reqs: list[dict], warm: list[dict]) -> dict:
     model.generation_config.eos_token_id = None
     run(warm)
     generated_total[0] = 0
+    probe = CpuProbe()
+    probe.start()
     t = time.perf_counter()
     outputs = run(reqs)
     wall = time.perf_counter() - t
+    others = probe.stop(wall)
     return {"wall_s": wall, "load_s": load_s, "outputs": outputs, "generated_tokens": generated_total[0],
+            "others_cpu": others,
             "version": transformers.__version__, "torch": torch.__version__,
             "notes": f"batch size {bs}, arrival order, left padding, sdpa; each batch runs max(max_tokens) steps"}
 
@@ -397,15 +408,18 @@ def worker_hf_cb(spec: dict, reqs: list[dict], warm: list[dict]) -> dict:
             block=True, timeout=30) as manager:
         load_s = time.perf_counter() - t
         run(manager, warm, "warm")
+        probe = CpuProbe()
+        probe.start()
         t = time.perf_counter()
         outputs = run(manager, reqs, "req")
         wall = time.perf_counter() - t
+        others = probe.stop(wall)
         cbc = manager.continuous_batching_config
         info = {k: getattr(cbc, k, None) for k in ("max_batch_tokens", "max_requests_per_batch", "num_blocks",
                                                   "page_size", "use_async_batching")}
         info["attn_implementation"] = model.config._attn_implementation
     return {"wall_s": wall, "load_s": load_s, "outputs": outputs, "version": transformers.__version__,
-            "torch": torch.__version__,
+            "torch": torch.__version__, "others_cpu": others,
             "notes": f"manager API with per-request max_new_tokens, eos_token_id=-1; "
                      f"KV {num_blocks} blocks of {page} tokens ({num_blocks * bytes_per_block / 2**30:.2f} GiB, the whole "
                      f"workload fits); config {info}"}
@@ -438,6 +452,9 @@ def worker_ceiling(spec: dict, reqs: list[dict], warm: list[dict]) -> dict:
     gen = torch.Generator().manual_seed(0)
     upper = spec["id_upper"]
 
+    probe = CpuProbe()
+    probe.start()
+    t_measure = time.perf_counter()
     with torch.inference_mode():
         # prefill rate: batch 1, real prompts, no padding, KV written into a DynamicCache, last-position logits only
         sample = reqs[: min(len(reqs), spec["ceiling_prefill_sample"])]
@@ -473,9 +490,10 @@ def worker_ceiling(spec: dict, reqs: list[dict], warm: list[dict]) -> dict:
             grid.append((b, statistics.median(times[2:])))
             del cache
 
+    others = probe.stop(time.perf_counter() - t_measure)
     decode_s = sum(_interp(grid, sum(1 for o in olens if o > k)) for k in range(max(olens)))
     prefill_s = sum(plens) / prefill_tps
-    return {"wall_s": prefill_s + decode_s, "load_s": load_s, "outputs": None, "estimate": True,
+    return {"wall_s": prefill_s + decode_s, "load_s": load_s, "outputs": None, "estimate": True, "others_cpu": others,
             "version": transformers.__version__, "torch": torch.__version__,
             "ceiling": {"context_len": ctx, "prefill_tokens_per_s": prefill_tps, "prefill_s": prefill_s,
                         "decode_s": decode_s, "prefill_sample": len(sample),
@@ -547,10 +565,15 @@ def run_system(system: str, args, spec_path: Path, run_dir: Path) -> tuple[dict 
     else:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", system, "--spec", str(spec_path),
                "--result", str(out)]
-    busy = cpu_busy()
-    print(f"[{system}] running ... (log: {log}; CPU busy before start {100 * busy:.0f}%"
-          + (" -- WARNING: something else is running, timings will be unreliable" if busy > 0.25 else "") + ")",
-          flush=True)
+    busy, waited = cpu_busy(), 0.0
+    while busy > 0.25 and waited < args.wait_idle:
+        if waited == 0:
+            print(f"[{system}] CPU {100 * busy:.0f}% busy with other work; waiting up to {args.wait_idle}s for it "
+                  "to go idle", flush=True)
+        time.sleep(4)
+        waited += 5
+        busy = cpu_busy()
+    print(f"[{system}] running ... (log: {log}; CPU busy before start {100 * busy:.0f}%)", flush=True)
     t = time.perf_counter()
     with open(log, "w") as f:
         try:
@@ -566,7 +589,10 @@ def run_system(system: str, args, spec_path: Path, run_dir: Path) -> tuple[dict 
         return None, f"failed (rc={rc}): {last[-200:]}"
     res = json.loads(out.read_text())
     res["cpu_busy_before_start"] = busy
-    print(f"[{system}] done in {took:.0f}s (generation {res['wall_s']:.2f}s)", flush=True)
+    oc = res.get("others_cpu")
+    print(f"[{system}] done in {took:.0f}s (generation {res['wall_s']:.2f}s"
+          + (f", other processes used {100 * oc:.0f}% of the CPUs meanwhile" if oc is not None else "") + ")"
+          + (" -- WARNING: contended, timing unreliable" if (oc or 0) > CONTENDED else ""), flush=True)
     return res, "ok"
 
 
@@ -617,16 +643,19 @@ def write_report(path: Path, report: dict) -> None:
          f"[{w['prompt_min']}, {w['prompt_max']}] (total {w['prompt_tokens']}), output lengths uniform "
          f"[{w['output_min']}, {w['output_max']}] (total {w['output_tokens']}), ignore_eos, greedy; random prompt "
          f"token ids (no special tokens). Warm-up: first {w['warmup_requests']} prompts x {w['warmup_tokens']} "
-         f"tokens, not timed. Timed: generation only (model load excluded).", "",
-         "| system | wall s | output tok/s | total tok/s | req/s | output tok/s vs vLLM | notes |",
-         "|---|---:|---:|---:|---:|---:|---|"]
+         f"tokens, not timed. Timed: generation only (model load excluded). \"Other CPU load\": CPU time used by "
+         f"processes outside the benchmark during the timed window, as a share of all cores (>{100 * CONTENDED:.0f}%: "
+         f"timing unreliable).", "",
+         "| system | wall s | output tok/s | total tok/s | req/s | output tok/s vs vLLM | other CPU load | notes |",
+         "|---|---:|---:|---:|---:|---:|---:|---|"]
     for s in report["systems"]:
         if s["status"] != "ok":
-            L.append(f"| {s['label']} | — | — | — | — | — | {s['status']} |")
+            L.append(f"| {s['label']} | — | — | — | — | — | — | {s['status']} |")
             continue
         ratio = f"{s['ratio_vs_vllm']:.2f}x" if s.get("ratio_vs_vllm") is not None else "—"
+        oc = f"{100 * s['others_cpu']:.0f}%" if s.get("others_cpu") is not None else "?"
         L.append(f"| {s['label']} | {s['wall_s']:.2f} | {s['output_tok_s']:.1f} | {s['total_tok_s']:.1f} | "
-                 f"{s['req_s']:.2f} | {ratio} | {s['short_note']} |")
+                 f"{s['req_s']:.2f} | {ratio} | {oc} | {s['short_note']} |")
     ceil = next((s for s in report["systems"] if s["system"] == "ceiling" and s["status"] == "ok"), None)
     if ceil:
         cz = ceil["ceiling"]
@@ -681,6 +710,8 @@ def main(argv=None) -> None:
     p.add_argument("--warmup-tokens", type=int, default=8)
     p.add_argument("--ceiling-steps", type=int, default=5)
     p.add_argument("--ceiling-prefill-sample", type=int, default=16)
+    p.add_argument("--wait-idle", type=int, default=300,
+                   help="before each system, wait up to this many seconds for other work on the machine to stop")
     p.add_argument("--timeout", type=int, default=7200, help="per-system timeout, seconds")
     p.add_argument("--out", default="docs/benchmarks/offline_throughput.md", help="'' = no report files")
     p.add_argument("--run-dir", help="where workload, logs and raw results go (default: a new temp dir)")
@@ -735,10 +766,10 @@ def main(argv=None) -> None:
             row.update(wall_s=wall, load_s=res.get("load_s"), output_tok_s=output_tokens / wall,
                        total_tok_s=(prompt_tokens + output_tokens) / wall, req_s=len(reqs) / wall,
                        notes=res.get("notes", ""), version=res.get("version"),
-                       cpu_busy_before_start=res["cpu_busy_before_start"])
+                       cpu_busy_before_start=res["cpu_busy_before_start"], others_cpu=res.get("others_cpu"))
             short = []
-            if res["cpu_busy_before_start"] > 0.25:
-                short.append(f"WARNING: CPU {100 * res['cpu_busy_before_start']:.0f}% busy before start")
+            if (res.get("others_cpu") or 0) > CONTENDED:
+                short.append("WARNING: other processes competed for the CPUs")
             if res.get("outputs") is not None:
                 lens_ok = all(len(o) == r["max_tokens"] for o, r in zip(res["outputs"], reqs)) and \
                     len(res["outputs"]) == len(reqs)
@@ -766,14 +797,17 @@ def main(argv=None) -> None:
             if s != ref and results.get(s, {}).get("outputs") is not None:
                 cross[s] = compare(results[s]["outputs"], results[ref]["outputs"])
 
-    print("\n%-34s %9s %12s %12s %8s %8s" % ("system", "wall s", "out tok/s", "total tok/s", "req/s", "vs vLLM"))
+    print("\n%-34s %9s %12s %12s %8s %8s %6s" % ("system", "wall s", "out tok/s", "total tok/s", "req/s", "vs vLLM",
+                                                  "others"))
     for r in rows:
         if r["status"] != "ok":
             print("%-34s %s" % (r["label"], r["status"]))
             continue
         ratio = f"{r['ratio_vs_vllm']:.2f}x" if r.get("ratio_vs_vllm") is not None else "-"
-        print("%-34s %9.2f %12.1f %12.1f %8.2f %8s  %s" % (r["label"], r["wall_s"], r["output_tok_s"],
-                                                         r["total_tok_s"], r["req_s"], ratio, r.get("short_note", "")))
+        oc = f"{100 * r['others_cpu']:.0f}%" if r.get("others_cpu") is not None else "?"
+        print("%-34s %9.2f %12.1f %12.1f %8.2f %8s %6s  %s" % (r["label"], r["wall_s"], r["output_tok_s"],
+                                                              r["total_tok_s"], r["req_s"], ratio, oc,
+                                                              r.get("short_note", "")))
     if cross:
         print(f"\ngreedy outputs vs {LABELS[ref]}:")
         for s, cc in cross.items():

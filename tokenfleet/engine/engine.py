@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import operator
 from dataclasses import dataclass, field
 from tokenfleet.config import EngineConfig
 from tokenfleet.engine.kv_blocks import KVBlockManager
@@ -79,7 +80,8 @@ class Engine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0) -> Request:
         """Validates and queues a request; raises ValueError naming the problem."""
-        params = params or SamplingParams()
+        # a private, re-validated copy: fields changed after construction cannot slip bad values into a batch
+        params = SamplingParams() if params is None else dataclasses.replace(params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -95,10 +97,15 @@ class Engine:
 
     def _prompt_tokens(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            if not prompt:  # checked before encoding: a BOS token alone does not make a prompt
+                raise ValueError("the prompt is empty: it must contain at least one token")
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; pass token ids or enable the tokenizer")
             return self.tokenizer.encode(prompt)
-        return list(prompt)
+        try:
+            return [operator.index(t) for t in prompt]
+        except TypeError:
+            raise ValueError("a prompt is a string or a list of integer token ids") from None
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size

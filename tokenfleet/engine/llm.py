@@ -29,7 +29,7 @@ class LLM:
         try:
             for prompt, sp, pr in zip(prompts, params, priorities, strict=True):
                 ids.append(self.engine.add_request(_prompt_input(prompt), sp, priority=pr).request_id)
-        except ValueError:
+        except Exception:
             for request_id in ids:  # all or nothing
                 self.engine.abort(request_id)
             raise
@@ -54,5 +54,5 @@ def _prompt_input(prompt: Prompt) -> str | list[int]:
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-        return list(prompt["prompt_token_ids"])
+        return prompt["prompt_token_ids"]  # the engine checks it is a list of token ids
     raise ValueError("a prompt is a string or a dict with 'prompt_token_ids'")

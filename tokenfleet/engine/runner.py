@@ -9,7 +9,7 @@ import torch
 from tokenfleet.config import EngineConfig
 from tokenfleet.engine.request import Request
 from tokenfleet.engine.scheduler import ScheduledChunk, SchedulerOutput
-from tokenfleet.model.attention import AttentionMetadata, PrefillChunk
+from tokenfleet.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from tokenfleet.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,8 @@ class ModelRunner:
         bytes_per_block = config.block_size * cfg.kv_bytes_per_token(dtype)
         self.num_blocks = self._device_blocks(config, bytes_per_block)
         self.num_host_blocks = int(config.swap_space_gib * GIB // bytes_per_block)
-        shape = (cfg.num_layers, 2, None, cfg.num_kv_heads, cfg.head_dim)
+        self.dtype = dtype
+        shape = (cfg.num_layers, 2, cfg.num_kv_heads, None, cfg.head_dim)
         self.kv_cache = torch.zeros(self._shape(shape, self.num_blocks), dtype=dtype, device=device)
         self.host_cache = torch.zeros(self._shape(shape, self.num_host_blocks), dtype=dtype,
                                       pin_memory=device.type == "cuda")
@@ -41,7 +42,7 @@ class ModelRunner:
                  config.block_size, self.num_blocks * bytes_per_block / GIB, self.num_host_blocks)
 
     def _shape(self, shape: tuple, num_blocks: int) -> tuple:
-        return shape[:2] + (num_blocks * self.block_size,) + shape[3:]
+        return shape[:3] + (num_blocks * self.block_size,) + shape[4:]
 
     def _device_blocks(self, config: EngineConfig, bytes_per_block: int) -> int:
         if self.device.type == "cuda":
@@ -73,14 +74,14 @@ class ModelRunner:
     def _copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
         src_slots = self._slots_of_blocks([s for s, _ in pairs], src.device)
         dst_slots = self._slots_of_blocks([d for _, d in pairs], dst.device)
-        dst[:, :, dst_slots] = src[:, :, src_slots].to(dst.device, non_blocking=True)
+        dst[:, :, :, dst_slots] = src[:, :, :, src_slots].to(dst.device, non_blocking=True)
 
     def _slots_of_blocks(self, blocks: list[int], device: torch.device) -> torch.Tensor:
         offsets = torch.arange(self.block_size)
         return (torch.tensor(blocks).unsqueeze(1) * self.block_size + offsets).flatten().to(device)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
-        decodes = [c for c in chunks if c.num_tokens == 1]
+        decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: c.req.num_computed_tokens)
         prefills = [c for c in chunks if c.num_tokens > 1]
         ids, positions, slots, rows, sampled = self._decode_inputs(decodes)
         prefill_meta = []
@@ -95,11 +96,8 @@ class ModelRunner:
             if chunk.samples:
                 rows.append(len(ids) - 1)
                 sampled.append(req)
-        meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(self.device), num_decodes=len(decodes),
-            decode_slot_index=None, decode_mask=None, prefills=prefill_meta)
-        if decodes:
-            meta.decode_slot_index, meta.decode_mask = self._decode_context(decodes)
+        meta = AttentionMetadata(torch.cat(slots).to(self.device), self.block_size,
+                                 self._decode_groups(decodes), prefill_meta)
         return StepInputs(torch.tensor(ids, device=self.device), torch.cat(positions).to(self.device), meta,
                           torch.tensor(rows, dtype=torch.long, device=self.device), sampled)
 
@@ -116,22 +114,32 @@ class ModelRunner:
         return ids, [torch.tensor(pos, dtype=torch.long)], [torch.tensor(slots, dtype=torch.long)], rows, \
             [decodes[i].req for i in rows]
 
-    def _decode_context(self, decodes: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cache slots of every decode's context, padded to the longest, and the mask of the real ones."""
+    def _decode_groups(self, decodes: list[ScheduledChunk], max_groups: int = 4) -> list[DecodeGroup]:
+        """Splits the (context-sorted) decodes into up to `max_groups` equal runs, each padded to its longest."""
+        groups, size = [], -(-len(decodes) // max_groups) if decodes else 0
+        for start in range(0, len(decodes), max(size, 1)):
+            groups.append(self._decode_group(start, decodes[start:start + size]))
+        return groups
+
+    def _decode_group(self, start: int, decodes: list[ScheduledChunk]) -> DecodeGroup:
         context_lens = [c.req.num_computed_tokens + 1 for c in decodes]
         width = -(-max(context_lens) // self.block_size)
         tables = torch.zeros(len(decodes), width, dtype=torch.long)
         for i, chunk in enumerate(decodes):
             used = chunk.req.block_table[:width]
             tables[i, :len(used)] = torch.tensor(used)
-        index = (tables.unsqueeze(2) * self.block_size + torch.arange(self.block_size)).view(len(decodes), -1)
-        mask = torch.arange(index.shape[1]) < torch.tensor(context_lens).unsqueeze(1)
-        return index.to(self.device), mask[:, None, None, :].to(self.device)
+        padding = torch.arange(width * self.block_size) >= torch.tensor(context_lens).unsqueeze(1)
+        return DecodeGroup(start, tables.flatten().to(self.device), self._additive(padding)[None, :, None, :])
+
+    def _additive(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A boolean 'masked out' tensor as an additive attention mask in the model's dtype."""
+        mask = torch.zeros(hidden.shape, dtype=self.dtype)
+        return mask.masked_fill_(hidden, float("-inf")).to(self.device)
 
     def _prefill_chunk(self, query_start: int, start: int, n: int, table: torch.Tensor) -> PrefillChunk:
         if start == 0:
-            return PrefillChunk(query_start, n, n, None, None)
+            return PrefillChunk(query_start, n, None, None)
         context = torch.arange(start + n)
         index = table[context // self.block_size] * self.block_size + context % self.block_size
-        mask = context.unsqueeze(0) <= torch.arange(start, start + n).unsqueeze(1)
-        return PrefillChunk(query_start, n, start + n, index.to(self.device), mask.to(self.device))
+        future = context.unsqueeze(0) > torch.arange(start, start + n).unsqueeze(1)
+        return PrefillChunk(query_start, n, index.to(self.device), self._additive(future))

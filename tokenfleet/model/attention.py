@@ -1,8 +1,12 @@
 """Paged attention in plain PyTorch.
 
 A step's tokens are laid out flat: first one token per decoding sequence, then each prefill chunk. New keys and
-values are written into the paged cache through `slot_mapping`; decodes then attend in one batched call over
-their gathered block tables, and each prefill chunk attends over its own context.
+values are written into the paged cache through `slot_mapping`; decodes then attend in a few batched calls over
+their gathered block tables (grouped by context length to bound padding), and each prefill chunk attends over
+its own context.
+
+The cache of one layer is [2, kv_heads, slots, head_dim] (slot = block * block_size + offset): head-major, so a
+gathered block table is already laid out as the [kv_heads, seqs, context, head_dim] batch the matmuls want.
 """
 from __future__ import annotations
 
@@ -16,17 +20,28 @@ import torch.nn.functional as F
 class PrefillChunk:
     query_start: int  # offset of the chunk in the step's flat token layout
     query_len: int
-    context_len: int  # tokens of this sequence with KV after this step (cached + chunk)
     slot_index: torch.Tensor | None  # [context_len] cache slots to gather; None when the chunk is the whole context
-    mask: torch.Tensor | None  # [query_len, context_len] bool, None when plain causal
+    mask: torch.Tensor | None  # [query_len, context_len] additive (0 / -inf), None when plain causal
+
+
+@dataclass
+class DecodeGroup:
+    """Decodes of similar context length, attended in one batched call."""
+
+    start: int  # offset of the group's first token in the step's flat layout
+    block_index: torch.Tensor  # [n * W] block tables of the group's decodes, each padded to W blocks
+    mask: torch.Tensor  # [1, n, 1, W * block_size] additive: 0 on a decode's context, -inf on padding
+
+    @property
+    def size(self) -> int:
+        return self.mask.shape[1]
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
-    num_decodes: int
-    decode_slot_index: torch.Tensor | None  # [D, L] cache slots of each decode's context, padded
-    decode_mask: torch.Tensor | None  # [D, 1, 1, L] bool, True where a slot is part of the context
+    block_size: int
+    decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
 
 
@@ -34,36 +49,42 @@ class PagedAttention(torch.nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.group = num_heads // num_kv_heads
         self.scale = head_dim ** -0.5
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, slots, KVH, D]. Returns [T, H*D]."""
+        """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, KVH, slots, D]. Returns [T, H*D]."""
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         out = torch.empty_like(q)
-        if meta.num_decodes:
-            out[:meta.num_decodes] = self._decode(q[:meta.num_decodes], k_cache, v_cache, meta)
+        for group in meta.decodes:
+            rows = slice(group.start, group.start + group.size)
+            out[rows] = self._decode(q[rows], k_cache, v_cache, group, meta.block_size)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk)
         return out.view(q.shape[0], -1)
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        index = meta.decode_slot_index
-        keys = k_cache[index].transpose(1, 2)  # [D, KVH, L, Dh]
-        values = v_cache[index].transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
-                                             scale=self.scale, enable_gqa=True)
-        return out.squeeze(2)
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
+                block_size: int) -> torch.Tensor:
+        n, kvh = group.size, self.num_kv_heads
+        blocks = (kvh, -1, block_size * self.head_dim)  # whole blocks per head: contiguous copies
+        keys = k_cache.view(blocks).index_select(1, group.block_index).view(kvh, n, -1, self.head_dim)
+        values = v_cache.view(blocks).index_select(1, group.block_index).view(kvh, n, -1, self.head_dim)
+        queries = q.view(n, kvh, self.group, self.head_dim).transpose(0, 1)  # [KVH, n, G, D]
+        scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(self.scale).add_(group.mask)
+        out = torch.matmul(scores.softmax(dim=-1), values)  # [KVH, n, G, D]
+        return out.transpose(0, 1).reshape(n, self.num_heads, self.head_dim)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
-        if chunk.slot_index is not None:
-            k, v = k_cache[chunk.slot_index], v_cache[chunk.slot_index]
+        if chunk.slot_index is None:
+            keys, values = k.transpose(0, 1), v.transpose(0, 1)
+        else:
+            keys, values = k_cache[:, chunk.slot_index], v_cache[:, chunk.slot_index]
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
             attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=self.scale, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)

@@ -113,12 +113,21 @@ def _fused_slice(model: LlamaForCausalLM, name: str, data: torch.Tensor, part: i
 
 
 def _check_complete(model: LlamaForCausalLM, loaded: set[str]) -> None:
-    missing = []
+    missing = []  # named as the checkpoint names them (model.layers.0.self_attn.k_proj.weight), not as we fuse them
     for name, _ in model.named_parameters():
         parts = 3 if "qkv_proj" in name else 2 if "gate_up_proj" in name else 0
-        wanted = {f"{name}#{i}" for i in range(parts)} if parts else {name}
-        if not wanted <= loaded:
-            missing.append(name)
+        wanted = [f"{name}#{i}" for i in range(parts)] if parts else [name]
+        missing += [_checkpoint_name(w) for w in wanted if w not in loaded]
     if missing:
         raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+
+def _checkpoint_name(ours: str) -> str:
+    """Our parameter name (with "#part" for a slice of a fused weight) -> the Hugging Face checkpoint's name."""
+    name, _, part = ours.partition("#")
+    for hf, (fused, index) in _FUSED.items():
+        if part and f".{fused}." in name and index == int(part):
+            name = name.replace(fused, hf)
+            break
+    return name if name.startswith("lm_head.") else f"model.{name}"

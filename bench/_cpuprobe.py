@@ -1,0 +1,66 @@
+"""How much CPU did OTHER processes use while a benchmark's timed window ran?  (stdlib only: also imported by
+_vllm_worker.py inside the vLLM venv.)
+
+    probe = CpuProbe(); probe.start(); ...timed work...; others = probe.stop(wall_s)
+
+`others` = (CPU time of the whole machine, from /proc/stat) - (CPU time of this process and its descendants, from
+/proc/PID/stat), as a fraction of wall_s x cores.  ~0 on a quiet machine; 0.5 on 2 cores = one core's worth of
+someone else's work competed with the benchmark.  Linux only; returns None elsewhere.
+"""
+
+import os
+
+_HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _machine_busy_ticks() -> int:
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + (v[4] if len(v) > 4 else 0)
+    return sum(v[:8]) - idle  # user nice system idle iowait irq softirq steal (guest is already in user)
+
+
+def _tree_ticks(root: int) -> int:
+    stats = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                data = f.read()
+        except OSError:
+            continue
+        rest = data[data.rfind(")") + 2:].split()
+        # fields after "(comm)": state ppid ... utime(12th) stime(13th) cutime cstime
+        stats[int(name)] = (int(rest[1]), int(rest[11]) + int(rest[12]) + int(rest[13]) + int(rest[14]))
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in stats:
+            total += stats[pid][1]
+        todo.extend(children.get(pid, []))
+    return total
+
+
+class CpuProbe:
+    def __init__(self) -> None:
+        self._start = None
+
+    def start(self) -> None:
+        try:
+            self._start = (_machine_busy_ticks(), _tree_ticks(os.getpid()))
+        except (OSError, ValueError, IndexError):
+            self._start = None
+
+    def stop(self, wall_s: float):
+        if self._start is None or wall_s <= 0:
+            return None
+        try:
+            busy = _machine_busy_ticks() - self._start[0]
+            own = _tree_ticks(os.getpid()) - self._start[1]
+        except (OSError, ValueError, IndexError):
+            return None
+        return max(0.0, (busy - own) / _HZ / (wall_s * (os.cpu_count() or 1)))

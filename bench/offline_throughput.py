@@ -17,11 +17,16 @@ Systems (--systems, comma separated, in this order):
               with the whole workload; each prompt is {"prompt_token_ids": [...]}.
   hf_static   transformers static batching: model.generate() on left-padded batches of --hf-batch-size requests in
               arrival order (no sorting).  Each batch runs for the largest max_tokens of its requests; only each
-              request's own max_tokens output tokens count as useful (the rest is reported as waste).
+              request's own max_tokens output tokens count as useful (the rest is reported as waste).  Ignore-EOS
+              is done with eos_token_id=None (EOS neither stops a row nor is masked), not min_new_tokens, which
+              would mask EOS out of the argmax and so change the greedy outputs vs. the other systems.
   hf_cb       transformers continuous batching.  generate_batch() accepts ONE max_new_tokens for all requests, so to
               run the identical workload we use the manager it is built on (continuous_batching_context_manager +
               add_request, exactly what generate_batch() does internally) with each request's own max_new_tokens and
-              eos_token_id=-1 (ignore EOS).  KV cache sized to --kv-cache-gib like vLLM.
+              eos_token_id=-1 (ignore EOS).  SDPA attention (no flash-attn on CPU), its default max_batch_tokens
+              (8192).  KV cache: enough 256-token pages for the whole workload at once (as vLLM's 4 GiB is here),
+              capped at --kv-cache-gib; a flat 4 GiB fails, because its attention-mask reservation grows with
+              the cache (MemoryError, ~40 GB footprint).
   vllm        vLLM CPU (own venv, --vllm-python), bench/_vllm_worker.py: vllm.LLM(dtype=float32, enforce_eager=True),
               VLLM_CPU_KVCACHE_SPACE=--kv-cache-gib, SamplingParams(max_tokens, ignore_eos=True, temperature=0,
               detokenize=False), TokensPrompt inputs, one generate() call with the whole workload.  Threads: vLLM's
@@ -49,6 +54,11 @@ differences (kernels, batch composition, padding) can flip an argmax and make ot
 Checkpoints: --model DIR, or --size small|medium: made with `tokenfleet demo-model DIR --size SIZE` when that command
 works, else built here (transformers LlamaConfig/LlamaForCausalLM random weights + a byte-level BPE tokenizer
 trained on pydoc_data.topics), cached under --ckpt-root.
+
+Contention: this machine is shared, and on 2 cores a single competing process can slow a 2-thread run by 10x or
+more (OpenMP threads spin-waiting on a taken core).  Before each system the harness waits (up to --wait-idle s) for
+the CPUs to go idle, and every timed window records "other CPU load" (bench/_cpuprobe.py: machine CPU time minus the
+benchmark process tree's, as a share of all cores); rows above 10% are flagged as unreliable: rerun them.
 
 Output: a markdown table (--out, default docs/benchmarks/offline_throughput.md) and a JSON next to it; per-system logs
 are kept in the run directory (printed at the end).

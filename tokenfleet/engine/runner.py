@@ -10,6 +10,7 @@ from tokenfleet.config import EngineConfig
 from tokenfleet.engine.request import Request
 from tokenfleet.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tokenfleet.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from tokenfleet.model.cpu_kernels import paged_decode_attention_op
 from tokenfleet.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig, device: torch.device) -> None:
         self.model, self.device, self.block_size = model, device, config.block_size
+        self.use_decode_kernel(paged_decode_attention_op() if device.type == "cpu" else None)
         cfg = model.config
         dtype = next(model.parameters()).dtype
         bytes_per_block = config.block_size * cfg.kv_bytes_per_token(dtype)
@@ -40,6 +42,12 @@ class ModelRunner:
                                       pin_memory=device.type == "cuda")
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB), swap space %d blocks", self.num_blocks,
                  config.block_size, self.num_blocks * bytes_per_block / GIB, self.num_host_blocks)
+
+    def use_decode_kernel(self, op) -> None:
+        """Decode attention through a fused paged op (the CPU kernel), or the PyTorch gather path when None."""
+        self.decode_kernel = op
+        for layer in self.model.layers:
+            layer.self_attn.attn.decode_kernel = op
 
     def _shape(self, shape: tuple, num_blocks: int) -> tuple:
         return shape[:3] + (num_blocks * self.block_size,) + shape[4:]
@@ -114,8 +122,10 @@ class ModelRunner:
         return ids, [torch.tensor(pos, dtype=torch.long)], [torch.tensor(slots, dtype=torch.long)], rows, \
             [decodes[i].req for i in rows]
 
-    def _decode_groups(self, decodes: list[ScheduledChunk], max_groups: int = 4) -> list[DecodeGroup]:
-        """Splits the (context-sorted) decodes into up to `max_groups` equal runs, each padded to its longest."""
+    def _decode_groups(self, decodes: list[ScheduledChunk]) -> list[DecodeGroup]:
+        """The kernel takes all decodes at once; the PyTorch path pads, so it splits the (context-sorted) decodes
+        into up to 4 equal runs, each padded only to its own longest."""
+        max_groups = 1 if self.decode_kernel else 4
         groups, size = [], -(-len(decodes) // max_groups) if decodes else 0
         for start in range(0, len(decodes), max(size, 1)):
             groups.append(self._decode_group(start, decodes[start:start + size]))
@@ -128,8 +138,11 @@ class ModelRunner:
         for i, chunk in enumerate(decodes):
             used = chunk.req.block_table[:width]
             tables[i, :len(used)] = torch.tensor(used)
-        padding = torch.arange(width * self.block_size) >= torch.tensor(context_lens).unsqueeze(1)
-        return DecodeGroup(start, tables.flatten().to(self.device), self._additive(padding)[None, :, None, :])
+        lens = torch.tensor(context_lens)
+        mask = None
+        if not self.decode_kernel:
+            mask = self._additive(torch.arange(width * self.block_size) >= lens.unsqueeze(1))[None, :, None, :]
+        return DecodeGroup(start, tables.to(self.device), lens.to(self.device), mask)
 
     def _additive(self, hidden: torch.Tensor) -> torch.Tensor:
         """A boolean 'masked out' tensor as an additive attention mask in the model's dtype."""

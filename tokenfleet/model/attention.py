@@ -29,12 +29,13 @@ class DecodeGroup:
     """Decodes of similar context length, attended in one batched call."""
 
     start: int  # offset of the group's first token in the step's flat layout
-    block_index: torch.Tensor  # [n * W] block tables of the group's decodes, each padded to W blocks
-    mask: torch.Tensor  # [1, n, 1, W * block_size] additive: 0 on a decode's context, -inf on padding
+    block_tables: torch.Tensor  # [n, W] block tables of the group's decodes, each padded to W blocks
+    context_lens: torch.Tensor  # [n]
+    mask: torch.Tensor | None  # [1, n, 1, W * block_size] additive (0 / -inf on padding); None for the kernel
 
     @property
     def size(self) -> int:
-        return self.mask.shape[1]
+        return self.block_tables.shape[0]
 
 
 @dataclass
@@ -46,8 +47,9 @@ class AttentionMetadata:
 
 
 class PagedAttention(torch.nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, decode_kernel=None) -> None:
         super().__init__()
+        self.decode_kernel = decode_kernel  # a fused paged decode op, or None for the PyTorch path
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
         self.scale = head_dim ** -0.5
@@ -69,10 +71,14 @@ class PagedAttention(torch.nn.Module):
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
                 block_size: int) -> torch.Tensor:
+        if group.mask is None:
+            return self.decode_kernel(q.contiguous(), k_cache, v_cache, group.block_tables, group.context_lens,
+                                      block_size, self.scale)
         n, kvh = group.size, self.num_kv_heads
         blocks = (kvh, -1, block_size * self.head_dim)  # whole blocks per head: contiguous copies
-        keys = k_cache.view(blocks).index_select(1, group.block_index).view(kvh, n, -1, self.head_dim)
-        values = v_cache.view(blocks).index_select(1, group.block_index).view(kvh, n, -1, self.head_dim)
+        index = group.block_tables.flatten()
+        keys = k_cache.view(blocks).index_select(1, index).view(kvh, n, -1, self.head_dim)
+        values = v_cache.view(blocks).index_select(1, index).view(kvh, n, -1, self.head_dim)
         queries = q.view(n, kvh, self.group, self.head_dim).transpose(0, 1)  # [KVH, n, G, D]
         scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(self.scale).add_(group.mask)
         out = torch.matmul(scores.softmax(dim=-1), values)  # [KVH, n, G, D]

@@ -1,0 +1,73 @@
+"""The CPU paged decode kernel computes what the PyTorch gather path computes, on the same paged cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.checkpoints import load_reference, make_checkpoint, reference_greedy
+from tokenfleet import LLM, SamplingParams
+from tokenfleet.model.attention import AttentionMetadata, DecodeGroup, PagedAttention
+from tokenfleet.model.cpu_kernels import paged_decode_attention_op
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    op = paged_decode_attention_op()
+    assert op is not None, "the CPU kernel failed to build on this machine (see the log warning)"
+    return op
+
+
+def random_paged_batch(n: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = 64
+    k_cache = torch.randn(kv_heads, num_blocks * BLOCK, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(kv_heads, num_blocks * BLOCK, dim, generator=gen).to(dtype)
+    lens = torch.randint(1, 8 * BLOCK, (n,), generator=gen)
+    width = int(-(-lens.max() // BLOCK))
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in range(n)])
+    q = torch.randn(n, heads, dim, generator=gen).to(dtype)
+    return q, k_cache, v_cache, tables, lens
+
+
+def torch_path(q, k_cache, v_cache, tables, lens):
+    heads, kv_heads, dim = q.shape[1], k_cache.shape[0], q.shape[2]
+    attn = PagedAttention(heads, kv_heads, dim)
+    padding = torch.arange(tables.shape[1] * BLOCK) >= lens.unsqueeze(1)
+    mask = torch.zeros(padding.shape, dtype=q.dtype).masked_fill_(padding, float("-inf"))[None, :, None, :]
+    group = DecodeGroup(0, tables, lens, mask)
+    return attn._decode(q, k_cache, v_cache, group, BLOCK)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (8, 8, 64), (6, 1, 32)])
+def test_kernel_matches_torch_path(kernel, dtype, tol, heads, kv_heads, dim):
+    q, k_cache, v_cache, tables, lens = random_paged_batch(9, heads, kv_heads, dim, dtype)
+    expected = torch_path(q, k_cache, v_cache, tables, lens).float()
+    got = kernel(q, k_cache, v_cache, tables, lens, BLOCK, dim ** -0.5)
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), expected, atol=tol, rtol=tol)
+
+
+def test_kernel_uses_only_the_context(kernel):
+    """Slots past a sequence's length, and blocks outside its table, must not change its output."""
+    q, k_cache, v_cache, tables, lens = random_paged_batch(3, 4, 2, 16, torch.float32, seed=1)
+    before = kernel(q, k_cache, v_cache, tables, lens, BLOCK, 0.25)
+    used = {int(tables[i, t // BLOCK]) * BLOCK + t % BLOCK for i in range(3) for t in range(int(lens[i]))}
+    unused = torch.tensor(sorted(set(range(k_cache.shape[1])) - used))
+    k_cache[:, unused] = 1e4
+    v_cache[:, unused] = -1e4
+    torch.testing.assert_close(kernel(q, k_cache, v_cache, tables, lens, BLOCK, 0.25), before)
+
+
+def test_engine_without_kernel_matches_reference(tmp_path):
+    path = make_checkpoint(tmp_path, "qwen2")
+    reference = load_reference(path)
+    llm = LLM(str(path), skip_tokenizer_init=True, max_num_batched_tokens=40)
+    llm.engine.runner.use_decode_kernel(None)
+    prompts = [[(7 * i + j) % 380 + 3 for j in range(10 + 13 * i)] for i in range(5)]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == reference_greedy(reference, prompt, 10)

@@ -291,12 +291,16 @@ def worker_tokenfleet(spec: dict, reqs: list[dict], warm: list[dict]) -> dict:
         return [list(o.token_ids) for o in outs]
 
     run(warm)
+    from tokenfleet.engine.engine import StepStats
+
+    llm.engine.stats = StepStats()
     probe = CpuProbe()
     probe.start()
     t = time.perf_counter()
     outputs = run(reqs)
     wall = time.perf_counter() - t
     others = probe.stop(wall)
+    stats = llm.engine.stats
     import tokenfleet
 
     version = getattr(tokenfleet, "__version__", None)
@@ -309,7 +313,11 @@ def worker_tokenfleet(spec: dict, reqs: list[dict], warm: list[dict]) -> dict:
             version = "?"
     return {"wall_s": wall, "load_s": load_s, "outputs": outputs, "version": version, "torch": torch.__version__,
             "others_cpu": others,
-            "notes": f"engine options {spec.get('tokenfleet_options', {})}"}
+            "notes": f"engine options {spec.get('tokenfleet_options', {})}; {stats.steps} steps: "
+                     f"scheduler {stats.schedule_s / stats.total_s:.1%}, batch preparation "
+                     f"{stats.prepare_s / stats.total_s:.1%}, model forward {stats.forward_s / stats.total_s:.1%}, "
+                     f"sampler {stats.sample_s / stats.total_s:.1%}, outputs {stats.output_s / stats.total_s:.1%} "
+                     f"of step time"}
 
 
 def worker_hf_static(spec: dict, reqs: list[dict], warm: list[dict]) -> dict:

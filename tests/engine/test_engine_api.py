@@ -146,3 +146,13 @@ async def collect(engine: AsyncEngine, prompt: list[int], params: SamplingParams
     async for out in engine.generate(prompt, params):
         final = out
     return final.token_ids
+
+
+def test_step_stats_account_for_the_step(llama_dir):
+    llm = LLM(str(llama_dir), skip_tokenizer_init=True)
+    llm.generate([{"prompt_token_ids": ids(40)}] * 3, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    stats = llm.engine.stats
+    assert stats.steps >= 5
+    parts = [stats.schedule_s, stats.prepare_s, stats.forward_s, stats.sample_s, stats.output_s]
+    assert all(p >= 0 for p in parts) and stats.forward_s > 0
+    assert 0 < stats.overhead_fraction() < 1

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 import logging
 import operator
 from dataclasses import dataclass, field
@@ -39,6 +40,26 @@ class RequestOutput:
 
 
 @dataclass
+class StepStats:
+    """Where step time goes (cumulative seconds). On CUDA, forward_s includes waiting for the GPU at sampling."""
+
+    steps: int = 0
+    schedule_s: float = 0.0
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    output_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.schedule_s + self.prepare_s + self.forward_s + self.sample_s + self.output_s
+
+    def overhead_fraction(self) -> float:
+        """Share of step time spent outside the model and the sampler: scheduling, batch preparation, outputs."""
+        return (self.schedule_s + self.prepare_s + self.output_s) / self.total_s if self.total_s else 0.0
+
+
+@dataclass
 class _Tracked:
     req: Request
     detok: StopStringMatcher | None
@@ -65,6 +86,7 @@ class Engine:
             self.eos_token_ids |= self.tokenizer.eos_token_ids
         self.sampler = Sampler(self.eos_token_ids)
         self.tracked: dict[str, _Tracked] = {}
+        self.stats = StepStats()
         self._ids = itertools.count()
 
     @staticmethod
@@ -141,17 +163,27 @@ class Engine:
     # --- the step -----------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        stats, started = self.stats, time.perf_counter()
         out = self.scheduler.schedule()
+        scheduled = time.perf_counter()
         try:
             logits, sampled = self.runner.execute(out)
+            executed = time.perf_counter()
             result = self.sampler(logits, sampled) if sampled else None
         except Exception as e:  # a failed step fails its requests, never the engine
             log.exception("model step failed")
             return self._fail_step(out, f"model step failed: {e}")
+        sampled_at = time.perf_counter()
         self.scheduler.update(out)
-        if result is None:
-            return []
-        return [self._append(req, tok, lp) for req, tok, lp in zip(sampled, result.token_ids, result.logprobs)]
+        outputs = [] if result is None else [
+            self._append(req, tok, lp) for req, tok, lp in zip(sampled, result.token_ids, result.logprobs)]
+        stats.steps += 1
+        stats.schedule_s += scheduled - started
+        stats.prepare_s += self.runner.last_prepare_s
+        stats.forward_s += executed - scheduled - self.runner.last_prepare_s
+        stats.sample_s += sampled_at - executed
+        stats.output_s += time.perf_counter() - sampled_at
+        return outputs
 
     def _fail_step(self, out: SchedulerOutput, message: str) -> list[RequestOutput]:
         outputs = []

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig, device: torch.device) -> None:
         self.model, self.device, self.block_size = model, device, config.block_size
+        self.last_prepare_s = 0.0  # time the last execute() spent on swaps and building inputs
         self.use_decode_kernel(paged_decode_attention_op() if device.type == "cpu" else None)
         cfg = model.config
         dtype = next(model.parameters()).dtype
@@ -66,10 +68,13 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[Request]]:
         """Runs one step; returns logits [len(sampled), vocab] and the requests those rows belong to."""
+        started = time.perf_counter()
         self._swap(out)
         if not out.chunks:
+            self.last_prepare_s = time.perf_counter() - started
             return None, []
         inputs = self.prepare(out.chunks)
+        self.last_prepare_s = time.perf_counter() - started
         logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, inputs.logits_indices)
         return logits, inputs.sampled
 

@@ -53,7 +53,25 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_replica(parser: argparse.ArgumentParser) -> None:
+    from tokenfleet.config import add_engine_arguments
+
+    add_engine_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--served-model-name", default=None,
+                        help="model name clients use (default: the checkpoint folder's name)")
+
+
+def run_replica(args: argparse.Namespace) -> int:
+    from tokenfleet.replica.main import serve_replica
+
+    serve_replica(args)
+    return 0
+
+
 COMMANDS: list[Command] = [
+    Command("replica", "serve one model with the OpenAI-compatible replica server", add_replica, run_replica),
     Command("generate", "generate completions offline for a few prompts", add_generate, run_generate),
     Command("demo-model", "write a small random-weight Llama checkpoint (no download needed)",
             add_demo_model, run_demo_model),

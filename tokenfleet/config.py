@@ -1,7 +1,9 @@
 """Typed configuration. Today: the engine's options (the same names as vLLM's engine arguments where they exist)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import argparse
+import typing
+from dataclasses import MISSING, dataclass, fields
 
 import torch
 
@@ -35,3 +37,23 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """One --flag per EngineConfig field (underscores become dashes), with the field's default and type."""
+    hints = typing.get_type_hints(EngineConfig)
+    for f in fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        if f.name == "model":
+            parser.add_argument(flag, required=True, help="Hugging Face checkpoint folder")
+        elif kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
+            default = None if f.default is MISSING else f.default
+            parser.add_argument(flag, type=base, default=default, help=f"default: {default}")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})

@@ -12,7 +12,7 @@ from tokenfleet.engine.kv_blocks import KVBlockManager
 from tokenfleet.engine.request import Request, SamplingParams, TokenLogprob
 from tokenfleet.engine.runner import ModelRunner
 from tokenfleet.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from tokenfleet.model.config import parse_dtype
+from tokenfleet.model.config import ModelConfig, parse_dtype
 from tokenfleet.model.loader import load_model
 from tokenfleet.model.sampler import Sampler
 from tokenfleet.model.tokenizer import StopStringMatcher, Tokenizer
@@ -72,10 +72,9 @@ class Engine:
         self.device = config.resolved_device()
         dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
         self.tokenizer = None if config.skip_tokenizer_init else Tokenizer.from_dir(config.model)
-        model_config_len = self._max_model_len(config)
-        self.model = load_model(config.model, dtype, self.device, max_positions=model_config_len)
+        self.max_model_len = self._max_model_len(config, ModelConfig.from_dir(config.model))
+        self.model = load_model(config.model, dtype, self.device, max_positions=self.max_model_len)
         self.model_config = self.model.config
-        self.max_model_len = model_config_len
         self.runner = ModelRunner(self.model, config, self.device)
         self.blocks = KVBlockManager(self.runner.num_blocks, config.block_size, self.runner.num_host_blocks,
                                      config.watermark, config.enable_prefix_caching)
@@ -90,9 +89,8 @@ class Engine:
         self._ids = itertools.count()
 
     @staticmethod
-    def _max_model_len(config: EngineConfig) -> int:
-        from tokenfleet.model.config import ModelConfig
-        window = ModelConfig.from_dir(config.model).max_model_len
+    def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+        window = model_config.max_model_len
         if config.max_model_len is not None and config.max_model_len > window:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context window {window}")
         return config.max_model_len or window
@@ -108,7 +106,7 @@ class Engine:
         if request_id in self.tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self._prompt_tokens(prompt)
-        self._validate(token_ids, params)
+        self.validate(token_ids, params)
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=self.max_model_len - len(token_ids))
         req = Request(request_id, token_ids, params, priority=priority)
@@ -129,7 +127,8 @@ class Engine:
         except TypeError:
             raise ValueError("a prompt is a string or a list of integer token ids") from None
 
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError naming what makes this request impossible to serve (safe from any thread)."""
         vocab = self.model_config.vocab_size
         if not token_ids:
             raise ValueError("the prompt is empty: it must contain at least one token")

@@ -53,6 +53,9 @@ class Scheduler:
         self.config, self.blocks = config, blocks
         self.queue: list[Request] = []  # waiting and swapped, in rank order
         self.running: list[Request] = []
+        self.prefix_cache_queries = 0  # prompt tokens looked up at first admission (cumulative)
+        self.prefix_cache_hits = 0  # of those, found in the prefix cache
+        self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
         bisect.insort(self.queue, req, key=Request.rank)
@@ -112,6 +115,8 @@ class Scheduler:
             self.blocks.admit(req, hits, n)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
+                self.prefix_cache_queries += req.num_prompt_tokens
+                self.prefix_cache_hits += req.num_cached_tokens
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         out.chunks.append(ScheduledChunk(req, n))
@@ -133,6 +138,7 @@ class Scheduler:
             req.num_computed_tokens = 0
             req.status = RequestStatus.WAITING
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.add(req)
         return refund
 

@@ -1,0 +1,149 @@
+"""OpenAI-compatible request bodies (plus vLLM's extensions) and their mapping onto SamplingParams.
+
+Unknown fields are accepted and ignored, as OpenAI-compatible servers do, so clients written for OpenAI or vLLM
+run unchanged.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from tokenfleet.api.errors import APIError, bad_request
+from tokenfleet.engine.request import SamplingParams
+
+MAX_N = 128
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by chat and text completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    user: str | None = None
+    # vLLM extensions
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    stop_token_ids: list[int] | None = None
+    priority: int = 0
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: str | list[str] | None) -> list[str] | None:
+        if isinstance(value, str):
+            value = [value]
+        if value is not None and any(not s for s in value):
+            raise ValueError("stop sequences must be non-empty strings")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=self.temperature, top_p=self.top_p,
+                top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=self.stop,
+                stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty)
+        except ValueError as e:
+            raise bad_request(str(e)) from e
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        unsupported = [p.type for p in self.content if p.type != "text"]
+        if unsupported:
+            raise bad_request(f"content parts of type {unsupported[0]!r} are not supported; send text",
+                              param="messages")
+        return "".join(p.text or "" for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+
+    def template_messages(self) -> list[dict]:
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+                 **({"name": m.name} if m.name else {})} for m in self.messages]
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one string, several, one token list or several."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise bad_request("prompt must not be empty", param="prompt")
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        return list(prompt)
+
+
+def parse(model: type[BaseModel], body: object) -> BaseModel:
+    """Validates a decoded JSON body; errors become a 400 naming the offending field."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        message = first["msg"].removeprefix("Value error, ")
+        raise bad_request(f"{param}: {message}" if param else message, param=param) from None
+
+
+def reject(status: int, message: str, param: str | None = None) -> APIError:
+    return APIError(status, message, param=param)

@@ -1,0 +1,89 @@
+"""One API request's choices (n per prompt) as engine requests, merged into one stream of (choice, output)."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from tokenfleet.api.render import Usage
+from tokenfleet.engine.async_engine import AsyncEngine
+from tokenfleet.engine.engine import RequestOutput
+from tokenfleet.engine.request import SamplingParams
+
+_DONE = object()
+
+
+@dataclass
+class ChoiceStream:
+    engine: AsyncEngine
+    request_id: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    n: int = 1
+    priority: int = 0
+    usage: Usage = field(default_factory=Usage)
+    finals: dict[int, RequestOutput] = field(default_factory=dict)
+    first_token_at: float | None = None
+    gaps: list[float] = field(default_factory=list)  # seconds between successive tokens of each choice
+    _last_token_at: dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.usage.prompt_tokens = sum(len(p) for p in self.prompts)
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yields (choice index, output) as any choice progresses; closing it aborts the unfinished choices."""
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(self._pump(i, prompt, queue))
+                 for i, prompt in enumerate(p for p in self.prompts for _ in range(self.n))]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is _DONE:
+                    remaining -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            for task in tasks:
+                task.cancel()  # each pump's generator aborts its engine request when cancelled
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _choice_params(self, index: int) -> SamplingParams:
+        """A seeded request's choices get consecutive seeds: reproducible, yet not n copies of one sample."""
+        if self.params.seed is None or index % self.n == 0:
+            return self.params
+        return dataclasses.replace(self.params, seed=self.params.seed + index % self.n)
+
+    async def _pump(self, index: int, prompt: list[int], queue: asyncio.Queue) -> None:
+        params = self._choice_params(index)
+        try:
+            async for out in self.engine.generate(prompt, params, f"{self.request_id}-{index}", self.priority):
+                self._account(index, out)
+                queue.put_nowait((index, out))
+        except Exception as e:
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(_DONE)
+
+    def _account(self, index: int, out: RequestOutput) -> None:
+        if out.new_token_ids:
+            now = time.monotonic()
+            if self.first_token_at is None:
+                self.first_token_at = now
+            if index in self._last_token_at:
+                self.gaps.append(now - self._last_token_at[index])
+            self._last_token_at[index] = now
+        if out.finished:
+            self.finals[index] = out
+            self.usage.completion_tokens += len(out.token_ids)
+            if index % self.n == 0:  # count each prompt's cache hits once, like its prompt tokens
+                self.usage.cached_tokens += out.num_cached_tokens
+
+    async def collect(self) -> list[RequestOutput]:
+        async for _ in self:
+            pass
+        return [self.finals[i] for i in range(len(self.prompts) * self.n)]

@@ -1,0 +1,85 @@
+"""Replica metrics under vLLM's Prometheus names, so existing dashboards, autoscalers and routers work unchanged,
+and the /load report the router reads."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+
+from tokenfleet.engine.engine import Engine
+from tokenfleet.engine.request import RequestStatus
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                   80.0, 160.0)
+
+
+def load_report(engine: Engine) -> dict:
+    """What the router needs to place the next request: work in flight and memory pressure."""
+    running = list(engine.scheduler.running)
+    queued = list(engine.scheduler.queue)
+    return {
+        "running": len(running),
+        "waiting": sum(1 for r in queued if r.status is RequestStatus.WAITING),
+        "swapped": sum(1 for r in queued if r.status is RequestStatus.SWAPPED),
+        "queued_prefill_tokens": sum(r.num_uncomputed_tokens for r in queued)
+        + sum(r.num_uncomputed_tokens for r in running if r.num_uncomputed_tokens > 1),
+        "kv_usage": round(engine.blocks.usage(), 4),
+        "num_blocks": engine.blocks.num_blocks,
+    }
+
+
+class ReplicaMetrics:
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self.engine = engine
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.labels = {"model_name": model_name}
+
+        def gauge(name: str, doc: str, fn) -> None:
+            Gauge(name, doc, labels, registry=self.registry).labels(**self.labels).set_function(fn)
+
+        gauge("vllm:num_requests_running", "Requests in the running batch.", lambda: len(engine.scheduler.running))
+        gauge("vllm:num_requests_waiting", "Requests waiting or swapped out.", lambda: len(engine.scheduler.queue))
+        gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", engine.blocks.usage)
+        self.registry.register(_SchedulerCounters(engine, model_name))
+        histogram = dict(labelnames=labels, registry=self.registry, buckets=LATENCY_BUCKETS)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", **histogram)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", **histogram)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", **histogram)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", labels, registry=self.registry)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", labels,
+                                         registry=self.registry)
+        self.finished = Counter("vllm:request_success", "Requests finished, by reason.",
+                                labels + ["finished_reason"], registry=self.registry)
+
+    def observe_request(self, arrival: float, first_token: float | None, finish: float, gaps: list[float],
+                        prompt_tokens: int, output_tokens: int, reason: str | None) -> None:
+        self.e2e.labels(**self.labels).observe(finish - arrival)
+        if first_token is not None:
+            self.ttft.labels(**self.labels).observe(first_token - arrival)
+        itl = self.itl.labels(**self.labels)
+        for gap in gaps:
+            itl.observe(gap)
+        self.prompt_tokens.labels(**self.labels).inc(prompt_tokens)
+        self.generation_tokens.labels(**self.labels).inc(output_tokens)
+        self.finished.labels(**self.labels, finished_reason=reason or "unknown").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _SchedulerCounters:
+    """Counters the scheduler keeps, read at scrape time (exposed as vLLM's *_total counters)."""
+
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self.engine, self.model_name = engine, model_name
+
+    def collect(self):
+        scheduler = self.engine.scheduler
+        for name, doc, value in (
+                ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                 scheduler.prefix_cache_queries),
+                ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", scheduler.prefix_cache_hits),
+                ("vllm:num_preemptions", "Preemptions.", scheduler.num_preemptions)):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family

@@ -1,0 +1,169 @@
+"""The replica's HTTP server: an OpenAI-compatible API around one AsyncEngine, plus /health, /metrics and /load."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tokenfleet.api.errors import APIError, bad_request, not_found
+from tokenfleet.api.protocol import ChatCompletionRequest, CompletionRequest, parse
+from tokenfleet.api.render import Renderer
+from tokenfleet.api.sse import SSE_HEADERS, sse_event
+from tokenfleet.engine.async_engine import AsyncEngine
+from tokenfleet.replica.choices import ChoiceStream
+from tokenfleet.replica.metrics import ReplicaMetrics, load_report
+
+log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 4 << 20
+
+
+class ReplicaService:
+    """Turns validated API requests into engine work and rendered responses."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine, self.model_name = engine, model_name
+        self.metrics = ReplicaMetrics(engine.engine, model_name)
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise not_found(f"The model `{model}` does not exist; this replica serves `{self.model_name}`",
+                            param="model", code="model_not_found")
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise bad_request("this replica has no tokenizer; use /v1/completions with token ids")
+        try:
+            return tokenizer.encode_chat(req.template_messages(), add_generation_prompt=req.add_generation_prompt)
+        except ValueError as e:
+            raise bad_request(str(e), param="messages") from e
+
+    def text_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        prompts = []
+        for prompt in req.prompts():
+            if isinstance(prompt, str):
+                if self.engine.tokenizer is None:
+                    raise bad_request("this replica has no tokenizer; send the prompt as token ids", param="prompt")
+                prompt = self.engine.tokenizer.encode(prompt)
+            prompts.append(prompt)
+        return prompts
+
+    def start(self, kind: str, prompts: list[list[int]], req, max_tokens: int | None,
+              logprobs: int | None) -> tuple[ChoiceStream, Renderer]:
+        """Validates every prompt against the engine's limits, then starts the engine requests."""
+        params = req.sampling_params(max_tokens, logprobs)
+        for prompt in prompts:
+            try:
+                self.engine.engine.validate(prompt, params)
+            except ValueError as e:
+                raise bad_request(str(e), param="messages" if kind == "chat" else "prompt") from e
+        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        stream = ChoiceStream(self.engine, request_id, prompts, params, req.n, req.priority)
+        return stream, Renderer(kind, request_id, req.model, self.engine.tokenizer)
+
+    async def events(self, stream: ChoiceStream, renderer: Renderer, include_usage: bool) -> AsyncIterator[str]:
+        arrival, started = time.monotonic(), set()
+        async for index, out in stream:
+            yield sse_event(json.dumps(renderer.chunk(index, out, first=index not in started)))
+            started.add(index)
+        if include_usage:
+            yield sse_event(json.dumps(renderer.usage_chunk(stream.usage)))
+        yield sse_event("[DONE]")
+        self._observe(stream, arrival)
+
+    async def respond(self, stream: ChoiceStream, renderer: Renderer) -> dict:
+        arrival = time.monotonic()
+        finals = await stream.collect()
+        self._observe(stream, arrival)
+        return renderer.response(finals, stream.usage)
+
+    def _observe(self, stream: ChoiceStream, arrival: float) -> None:
+        for final in stream.finals.values():
+            self.metrics.observe_request(arrival, stream.first_token_at, time.monotonic(), stream.gaps,
+                                         len(final.prompt_token_ids), len(final.token_ids), final.finish_reason)
+
+
+def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
+    service = ReplicaService(engine, model_name)
+    app = FastAPI(title="tokenfleet replica", docs_url=None, redoc_url=None)
+    app.state.service = service
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/load")
+    async def load() -> dict:
+        return load_report(engine.engine)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "tokenfleet", "max_model_len": engine.engine.max_model_len}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        req = parse(ChatCompletionRequest, await read_json(request))
+        service.check_model(req.model)
+        prompt = service.chat_prompt(req)
+        stream, renderer = service.start("chat", [prompt], req, req.requested_max_tokens(), req.requested_logprobs())
+        return await reply(request, service, stream, renderer, req.stream, req.include_usage)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = parse(CompletionRequest, await read_json(request))
+        service.check_model(req.model)
+        if req.suffix:
+            raise bad_request("suffix is not supported", param="suffix")
+        stream, renderer = service.start("text", service.text_prompts(req), req, req.max_tokens, req.logprobs)
+        return await reply(request, service, stream, renderer, req.stream, req.include_usage)
+
+    return app
+
+
+async def read_json(request: Request) -> object:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
+    body = await request.body()
+    if len(body) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from e
+
+
+async def reply(request: Request, service: ReplicaService, stream: ChoiceStream, renderer: Renderer,
+                streaming: bool, include_usage: bool) -> Response:
+    if streaming:
+        return StreamingResponse(service.events(stream, renderer, include_usage), media_type="text/event-stream",
+                                 headers={**SSE_HEADERS, "x-request-id": renderer.request_id})
+    body = await until_disconnect(request, service.respond(stream, renderer))
+    return JSONResponse(body, headers={"x-request-id": renderer.request_id})
+
+
+async def until_disconnect(request: Request, work) -> dict:
+    """Awaits a non-streamed response, cancelling it (and so its engine requests) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            raise APIError(499, "client closed the request", code="client_closed_request")

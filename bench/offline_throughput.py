@@ -286,7 +286,9 @@ def worker_tokenfleet(spec: dict, reqs: list[dict], warm: list[dict]) -> dict:
 
     def run(rs):
         prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in rs]
-        sps = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True) for r in rs]
+        # token ids only, like the vLLM run (detokenize=False) and the transformers runs
+        sps = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
+               for r in rs]
         outs = llm.generate(prompts, sps)
         return [list(o.token_ids) for o in outs]
 

@@ -111,6 +111,16 @@ def test_stop_strings_and_text(demo_model_dir):
     assert stopped.text == full.text[:full.text.index(cut)]
 
 
+def test_detokenize_off_gives_the_same_tokens_without_text(demo_model_dir):
+    llm = LLM(str(demo_model_dir))
+    with_text, ids_only = llm.generate(["The list of"] * 2, [
+        SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, detokenize=False)])
+    assert ids_only.token_ids == with_text.token_ids and with_text.text and ids_only.text == ""
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
+
+
 def test_async_engine_streams_and_cancels(llama_dir):
     engine = AsyncEngine(EngineConfig.from_options(str(llama_dir), skip_tokenizer_init=True))
 

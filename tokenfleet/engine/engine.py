@@ -110,7 +110,9 @@ class Engine:
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=self.max_model_len - len(token_ids))
         req = Request(request_id, token_ids, params, priority=priority)
-        detok = None if self.tokenizer is None else StopStringMatcher.for_request(self.tokenizer, token_ids, params.stop)
+        detok = None
+        if self.tokenizer is not None and params.detokenize:
+            detok = StopStringMatcher.for_request(self.tokenizer, token_ids, params.stop)
         self.tracked[request_id] = _Tracked(req, detok)
         self.scheduler.add(req)
         return req
@@ -130,6 +132,8 @@ class Engine:
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError naming what makes this request impossible to serve (safe from any thread)."""
         vocab = self.model_config.vocab_size
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the tokenizer; this engine runs without one")
         if not token_ids:
             raise ValueError("the prompt is empty: it must contain at least one token")
         bad = [t for t in token_ids if not 0 <= t < vocab]

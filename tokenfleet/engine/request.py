@@ -26,6 +26,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    detokenize: bool = True  # False: token ids only (no text, no stop strings), as in vLLM
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -51,6 +52,7 @@ class SamplingParams:
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (self.detokenize or not self.stop, "stop strings need detokenize=True"),
         ]
         for ok, message in checks:
             if not ok:

@@ -17,6 +17,16 @@ struct Shape {
   int64_t heads, kv_heads, head_dim, slots, table_width, block_size;
 };
 
+// Calls fn(t, row) for each of the first `len` token rows of a sequence, walking its block table block by block.
+template <typename T, typename Fn>
+inline void for_each_token(const T* cache, const int64_t* table, int64_t len, const Shape& s, Fn&& fn) {
+  for (int64_t t = 0, b = 0; t < len; ++b) {
+    const T* block = cache + table[b] * s.block_size * s.head_dim;
+    const int64_t stop = std::min(s.block_size, len - t);
+    for (int64_t i = 0; i < stop; ++i, ++t) fn(t, block + i * s.head_dim);
+  }
+}
+
 // One sequence, one KV head and the G query heads that share it: scores, softmax, weighted sum of values.
 template <typename T>
 void attend_one(const T* q, const T* k, const T* v, const int64_t* table, int64_t len, T* out,
@@ -25,8 +35,7 @@ void attend_one(const T* q, const T* k, const T* v, const int64_t* table, int64_
   const int64_t G = s.heads / s.kv_heads, D = s.head_dim;
   for (int64_t i = 0; i < G * D; ++i) qf[i] = as_float(q[i]) * scale;
   scores.resize(G * len);
-  for (int64_t t = 0; t < len; ++t) {
-    const T* key = k + (table[t / s.block_size] * s.block_size + t % s.block_size) * D;
+  for_each_token(k, table, len, s, [&](int64_t t, const T* key) {
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qf.data() + g * D;
       float dot = 0.f;
@@ -34,8 +43,8 @@ void attend_one(const T* q, const T* k, const T* v, const int64_t* table, int64_
       for (int64_t d = 0; d < D; ++d) dot += qg[d] * as_float(key[d]);
       scores[g * len + t] = dot;
     }
-  }
-  std::vector<float> inv_sum(G);
+  });
+  float inv_sum[64];  // G <= 64 query heads per KV head (checked by the caller)
   for (int64_t g = 0; g < G; ++g) {
     float* row = scores.data() + g * len;
     const float peak = *std::max_element(row, row + len);
@@ -47,15 +56,14 @@ void attend_one(const T* q, const T* k, const T* v, const int64_t* table, int64_
     inv_sum[g] = 1.f / sum;
   }
   std::fill(acc.begin(), acc.end(), 0.f);
-  for (int64_t t = 0; t < len; ++t) {
-    const T* value = v + (table[t / s.block_size] * s.block_size + t % s.block_size) * D;
+  for_each_token(v, table, len, s, [&](int64_t t, const T* value) {
     for (int64_t g = 0; g < G; ++g) {
       const float p = scores[g * len + t];
       float* ag = acc.data() + g * D;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) ag[d] += p * as_float(value[d]);
     }
-  }
+  });
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<T>(acc[g * D + d] * inv_sum[g]);
 }
@@ -90,6 +98,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "int64 tables");
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0 && q.size(1) / k_cache.size(0) <= 64, "unsupported head grouping");
   auto out = at::empty_like(q);
   const Shape s{q.size(1), k_cache.size(0), q.size(2), k_cache.size(1), tables.size(1), block_size};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.checkpoints import load_reference, make_checkpoint, reference_greedy
 from tokenfleet import LLM, SamplingParams
-from tokenfleet.model.attention import AttentionMetadata, DecodeGroup, PagedAttention
+from tokenfleet.model.attention import DecodeGroup, PagedAttention
 from tokenfleet.model.cpu_kernels import paged_decode_attention_op
 
 BLOCK = 16
@@ -20,45 +21,65 @@ def kernel():
 
 
 def random_paged_batch(n: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, seed: int = 0):
+    """Logical keys/values [KVH, blocks, BLOCK, D], their cache layout, and random block tables."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = 64
-    k_cache = torch.randn(kv_heads, num_blocks * BLOCK, dim, generator=gen).to(dtype)
-    v_cache = torch.randn(kv_heads, num_blocks * BLOCK, dim, generator=gen).to(dtype)
+    keys = torch.randn(kv_heads, num_blocks, BLOCK, dim, generator=gen).to(dtype)
+    values = torch.randn(kv_heads, num_blocks, BLOCK, dim, generator=gen).to(dtype)
     lens = torch.randint(1, 8 * BLOCK, (n,), generator=gen)
     width = int(-(-lens.max() // BLOCK))
     tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in range(n)])
     q = torch.randn(n, heads, dim, generator=gen).to(dtype)
-    return q, k_cache, v_cache, tables, lens
+    return q, keys, values, tables, lens
 
 
-def torch_path(q, k_cache, v_cache, tables, lens):
-    heads, kv_heads, dim = q.shape[1], k_cache.shape[0], q.shape[2]
-    attn = PagedAttention(heads, kv_heads, dim)
+def cache_layout(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """[2, KVH, blocks, BLOCK * D]: keys transposed inside each block, values as they are."""
+    kvh, blocks = keys.shape[:2]
+    return torch.stack([keys.transpose(2, 3).reshape(kvh, blocks, -1), values.reshape(kvh, blocks, -1)])
+
+
+def reference(q, keys, values, tables, lens):
+    """Plain attention over each sequence's gathered context, in float64."""
+    out = []
+    for i in range(q.shape[0]):
+        n = int(lens[i])
+        k = keys[:, tables[i]].flatten(1, 2)[:, :n].double()
+        v = values[:, tables[i]].flatten(1, 2)[:, :n].double()
+        out.append(F.scaled_dot_product_attention(q[i, :, None].double(), k, v, enable_gqa=True)[:, 0])
+    return torch.stack(out)
+
+
+def torch_path(q, cache, tables, lens):
+    heads, kv_heads, dim = q.shape[1], cache.shape[1], q.shape[2]
     padding = torch.arange(tables.shape[1] * BLOCK) >= lens.unsqueeze(1)
     mask = torch.zeros(padding.shape, dtype=q.dtype).masked_fill_(padding, float("-inf"))[None, :, None, :]
-    group = DecodeGroup(0, tables, lens, mask)
-    return attn._decode(q, k_cache, v_cache, group, BLOCK)
+    return PagedAttention(heads, kv_heads, dim)._decode(q, cache, DecodeGroup(0, tables, lens, mask), BLOCK)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (8, 8, 64), (6, 1, 32)])
-def test_kernel_matches_torch_path(kernel, dtype, tol, heads, kv_heads, dim):
-    q, k_cache, v_cache, tables, lens = random_paged_batch(9, heads, kv_heads, dim, dtype)
-    expected = torch_path(q, k_cache, v_cache, tables, lens).float()
-    got = kernel(q, k_cache, v_cache, tables, lens, BLOCK, dim ** -0.5)
+def test_kernel_and_torch_path_match_plain_attention(kernel, dtype, tol, heads, kv_heads, dim):
+    q, keys, values, tables, lens = random_paged_batch(9, heads, kv_heads, dim, dtype)
+    cache = cache_layout(keys, values)
+    expected = reference(q, keys, values, tables, lens)
+    got = kernel(q, cache[0], cache[1], tables, lens, BLOCK, dim ** -0.5)
     assert got.dtype == dtype and got.shape == q.shape
-    torch.testing.assert_close(got.float(), expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(got.double(), expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(torch_path(q, cache, tables, lens).double(), expected, atol=tol, rtol=tol)
 
 
 def test_kernel_uses_only_the_context(kernel):
-    """Slots past a sequence's length, and blocks outside its table, must not change its output."""
-    q, k_cache, v_cache, tables, lens = random_paged_batch(3, 4, 2, 16, torch.float32, seed=1)
-    before = kernel(q, k_cache, v_cache, tables, lens, BLOCK, 0.25)
-    used = {int(tables[i, t // BLOCK]) * BLOCK + t % BLOCK for i in range(3) for t in range(int(lens[i]))}
-    unused = torch.tensor(sorted(set(range(k_cache.shape[1])) - used))
-    k_cache[:, unused] = 1e4
-    v_cache[:, unused] = -1e4
-    torch.testing.assert_close(kernel(q, k_cache, v_cache, tables, lens, BLOCK, 0.25), before)
+    """Positions past a sequence's length, and blocks outside its table, must not change its output."""
+    q, keys, values, tables, lens = random_paged_batch(3, 4, 2, 16, torch.float32, seed=1)
+    before = kernel(q, *cache_layout(keys, values), tables, lens, BLOCK, 0.25)
+    used = torch.zeros(keys.shape[1], BLOCK, dtype=torch.bool)
+    for i in range(3):
+        for t in range(int(lens[i])):
+            used[tables[i, t // BLOCK], t % BLOCK] = True
+    keys[:, ~used] = 1e4
+    values[:, ~used] = -1e4
+    torch.testing.assert_close(kernel(q, *cache_layout(keys, values), tables, lens, BLOCK, 0.25), before)
 
 
 def test_engine_without_kernel_matches_reference(tmp_path):

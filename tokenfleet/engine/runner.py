@@ -11,7 +11,7 @@ from tokenfleet.config import EngineConfig
 from tokenfleet.engine.request import Request
 from tokenfleet.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tokenfleet.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
-from tokenfleet.model.cpu_kernels import paged_decode_attention_op
+from tokenfleet.model.cpu_kernels import advise_huge_pages, paged_decode_attention_op
 from tokenfleet.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -38,10 +38,13 @@ class ModelRunner:
         self.num_blocks = self._device_blocks(config, bytes_per_block)
         self.num_host_blocks = int(config.swap_space_gib * GIB // bytes_per_block)
         self.dtype = dtype
-        shape = (cfg.num_layers, 2, cfg.num_kv_heads, None, cfg.head_dim)
-        self.kv_cache = torch.zeros(self._shape(shape, self.num_blocks), dtype=dtype, device=device)
-        self.host_cache = torch.zeros(self._shape(shape, self.num_host_blocks), dtype=dtype,
-                                      pin_memory=device.type == "cuda")
+        block_elems = config.block_size * cfg.head_dim  # layout inside a block: see model/attention.py
+        self.kv_cache = torch.empty((cfg.num_layers, 2, cfg.num_kv_heads, self.num_blocks, block_elems),
+                                    dtype=dtype, device=device)
+        advise_huge_pages(self.kv_cache)
+        self.kv_cache.zero_()
+        self.host_cache = torch.zeros((cfg.num_layers, 2, cfg.num_kv_heads, self.num_host_blocks, block_elems),
+                                      dtype=dtype, pin_memory=device.type == "cuda")
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB), swap space %d blocks", self.num_blocks,
                  config.block_size, self.num_blocks * bytes_per_block / GIB, self.num_host_blocks)
 
@@ -50,9 +53,6 @@ class ModelRunner:
         self.decode_kernel = op
         for layer in self.model.layers:
             layer.self_attn.attn.decode_kernel = op
-
-    def _shape(self, shape: tuple, num_blocks: int) -> tuple:
-        return shape[:3] + (num_blocks * self.block_size,) + shape[4:]
 
     def _device_blocks(self, config: EngineConfig, bytes_per_block: int) -> int:
         if self.device.type == "cuda":
@@ -85,47 +85,46 @@ class ModelRunner:
             self._copy_blocks(self.host_cache, self.kv_cache, out.swap_in)
 
     def _copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
-        src_slots = self._slots_of_blocks([s for s, _ in pairs], src.device)
-        dst_slots = self._slots_of_blocks([d for _, d in pairs], dst.device)
-        dst[:, :, :, dst_slots] = src[:, :, :, src_slots].to(dst.device, non_blocking=True)
-
-    def _slots_of_blocks(self, blocks: list[int], device: torch.device) -> torch.Tensor:
-        offsets = torch.arange(self.block_size)
-        return (torch.tensor(blocks).unsqueeze(1) * self.block_size + offsets).flatten().to(device)
+        src_blocks = torch.tensor([s for s, _ in pairs], device=src.device)
+        dst_blocks = torch.tensor([d for _, d in pairs], device=dst.device)
+        dst[:, :, :, dst_blocks] = src[:, :, :, src_blocks].to(dst.device, non_blocking=True)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
+        """The step's flat inputs: decodes first (sorted by context length), then each prefill chunk."""
         decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: c.req.num_computed_tokens)
-        prefills = [c for c in chunks if c.num_tokens > 1]
-        ids, positions, slots, rows, sampled = self._decode_inputs(decodes)
+        ids, positions, blocks, offsets, rows, sampled = self._decode_inputs(decodes)
         prefill_meta = []
-        for chunk in prefills:
-            start, n, req = chunk.req.num_computed_tokens, chunk.num_tokens, chunk.req
-            pos = torch.arange(start, start + n)
+        for chunk in (c for c in chunks if c.num_tokens > 1):
+            req, start, n = chunk.req, chunk.req.num_computed_tokens, chunk.num_tokens
             table = torch.tensor(req.block_table)
+            pos = torch.arange(start, start + n)
             prefill_meta.append(self._prefill_chunk(len(ids), start, n, table))
             ids.extend(req.token_ids[start:start + n])
             positions.append(pos)
-            slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+            blocks.append(table[pos // self.block_size])
+            offsets.append(pos % self.block_size)
             if chunk.samples:
                 rows.append(len(ids) - 1)
                 sampled.append(req)
-        meta = AttentionMetadata(torch.cat(slots).to(self.device), self.block_size,
-                                 self._decode_groups(decodes), prefill_meta)
+        meta = AttentionMetadata(torch.cat(blocks).to(self.device), torch.cat(offsets).to(self.device),
+                                 self.block_size, self._decode_groups(decodes), prefill_meta)
         return StepInputs(torch.tensor(ids, device=self.device), torch.cat(positions).to(self.device), meta,
                           torch.tensor(rows, dtype=torch.long, device=self.device), sampled)
 
-    def _decode_inputs(self, decodes: list[ScheduledChunk]) -> tuple[list, list, list, list, list]:
+    def _decode_inputs(self, decodes: list[ScheduledChunk]) -> tuple[list, list, list, list, list, list]:
+        """Token ids (a list to extend) and position/block/offset tensors (lists to extend) of the decodes."""
         bs = self.block_size
-        ids, pos, slots = [], [], []
+        ids, pos, blocks = [], [], []
         for chunk in decodes:
             req = chunk.req
             p = req.num_computed_tokens
             ids.append(req.token_ids[p])
             pos.append(p)
-            slots.append(req.block_table[p // bs] * bs + p % bs)
+            blocks.append(req.block_table[p // bs])
         rows = [i for i, c in enumerate(decodes) if c.samples]
-        return ids, [torch.tensor(pos, dtype=torch.long)], [torch.tensor(slots, dtype=torch.long)], rows, \
-            [decodes[i].req for i in rows]
+        positions = torch.tensor(pos, dtype=torch.long)
+        return (ids, [positions], [torch.tensor(blocks, dtype=torch.long)], [positions % bs], rows,
+                [decodes[i].req for i in rows])
 
     def _decode_groups(self, decodes: list[ScheduledChunk]) -> list[DecodeGroup]:
         """The kernel takes all decodes at once; the PyTorch path pads, so it splits the (context-sorted) decodes
@@ -158,6 +157,6 @@ class ModelRunner:
         if start == 0:
             return PrefillChunk(query_start, n, None, None)
         context = torch.arange(start + n)
-        index = table[context // self.block_size] * self.block_size + context % self.block_size
+        where = (table[context // self.block_size].to(self.device), (context % self.block_size).to(self.device))
         future = context.unsqueeze(0) > torch.arange(start, start + n).unsqueeze(1)
-        return PrefillChunk(query_start, n, index.to(self.device), self._additive(future))
+        return PrefillChunk(query_start, n, where, self._additive(future))

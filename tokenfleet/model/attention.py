@@ -1,12 +1,12 @@
-"""Paged attention in plain PyTorch.
+"""Paged attention in plain PyTorch (and through the CPU kernel for decodes).
 
 A step's tokens are laid out flat: first one token per decoding sequence, then each prefill chunk. New keys and
-values are written into the paged cache through `slot_mapping`; decodes then attend in a few batched calls over
-their gathered block tables (grouped by context length to bound padding), and each prefill chunk attends over
-its own context.
+values are written into the paged cache at (block, offset); decodes then attend in batched calls over their block
+tables, and each prefill chunk attends over its own context.
 
-The cache of one layer is [2, kv_heads, slots, head_dim] (slot = block * block_size + offset): head-major, so a
-gathered block table is already laid out as the [kv_heads, seqs, context, head_dim] batch the matmuls want.
+One layer's cache is [2, kv_heads, num_blocks, block_size * head_dim]. Inside a block, values are stored
+[block_size, head_dim] and keys transposed, [head_dim, block_size], so that the scores of a whole block of
+tokens are one vector multiply-add per head dimension in the CPU kernel.
 """
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ import torch.nn.functional as F
 class PrefillChunk:
     query_start: int  # offset of the chunk in the step's flat token layout
     query_len: int
-    slot_index: torch.Tensor | None  # [context_len] cache slots to gather; None when the chunk is the whole context
+    context: tuple[torch.Tensor, torch.Tensor] | None  # (blocks, offsets) of the whole context; None: chunk only
     mask: torch.Tensor | None  # [query_len, context_len] additive (0 / -inf), None when plain causal
 
 
 @dataclass
 class DecodeGroup:
-    """Decodes of similar context length, attended in one batched call."""
+    """Decodes attended in one batched call."""
 
     start: int  # offset of the group's first token in the step's flat layout
     block_tables: torch.Tensor  # [n, W] block tables of the group's decodes, each padded to W blocks
@@ -40,7 +40,8 @@ class DecodeGroup:
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] cache slot of each new token
+    slot_blocks: torch.Tensor  # [T] block that receives each new token's key and value
+    slot_offsets: torch.Tensor  # [T] position inside that block
     block_size: int
     decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
@@ -56,40 +57,47 @@ class PagedAttention(torch.nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, KVH, slots, D]. Returns [T, H*D]."""
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, KVH, blocks, block_size * D]. Returns [T, H*D]."""
+        k_blocks, v_blocks = self._blocks(kv_cache, meta.block_size)
+        k_blocks[:, meta.slot_blocks, :, meta.slot_offsets] = k  # indexed dims first: [T, KVH, D]
+        v_blocks[:, meta.slot_blocks, meta.slot_offsets] = v.transpose(0, 1)
         out = torch.empty_like(q)
         for group in meta.decodes:
             rows = slice(group.start, group.start + group.size)
-            out[rows] = self._decode(q[rows], k_cache, v_cache, group, meta.block_size)
+            out[rows] = self._decode(q[rows], kv_cache, group, meta.block_size)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_blocks, v_blocks, chunk)
         return out.view(q.shape[0], -1)
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
-                block_size: int) -> torch.Tensor:
-        if group.mask is None:
-            return self.decode_kernel(q.contiguous(), k_cache, v_cache, group.block_tables, group.context_lens,
-                                      block_size, self.scale)
-        n, kvh = group.size, self.num_kv_heads
-        blocks = (kvh, -1, block_size * self.head_dim)  # whole blocks per head: contiguous copies
-        index = group.block_tables.flatten()
-        keys = k_cache.view(blocks).index_select(1, index).view(kvh, n, -1, self.head_dim)
-        values = v_cache.view(blocks).index_select(1, index).view(kvh, n, -1, self.head_dim)
-        queries = q.view(n, kvh, self.group, self.head_dim).transpose(0, 1)  # [KVH, n, G, D]
-        scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(self.scale).add_(group.mask)
-        out = torch.matmul(scores.softmax(dim=-1), values)  # [KVH, n, G, D]
-        return out.transpose(0, 1).reshape(n, self.num_heads, self.head_dim)
+    def _blocks(self, kv_cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the cache as [KVH, blocks, D, block_size] keys and [KVH, blocks, block_size, D] values."""
+        kvh, d = self.num_kv_heads, self.head_dim
+        return kv_cache[0].view(kvh, -1, d, block_size), kv_cache[1].view(kvh, -1, block_size, d)
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
-        if chunk.slot_index is None:
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup, block_size: int) -> torch.Tensor:
+        if group.mask is None:
+            return self.decode_kernel(q.contiguous(), kv_cache[0], kv_cache[1], group.block_tables,
+                                      group.context_lens, block_size, self.scale)
+        n, width = group.block_tables.shape
+        kvh, d = self.num_kv_heads, self.head_dim
+        index = group.block_tables.flatten()
+        keys_t = kv_cache[0].index_select(1, index).view(kvh, n, width, d, block_size)
+        keys_t = keys_t.permute(0, 1, 3, 2, 4).reshape(kvh, n, d, width * block_size)  # K^T of each context
+        values = kv_cache[1].index_select(1, index).view(kvh, n, width * block_size, d)
+        queries = q.view(n, kvh, self.group, d).transpose(0, 1)  # [KVH, n, G, D]
+        scores = torch.matmul(queries, keys_t).mul_(self.scale).add_(group.mask)
+        out = torch.matmul(scores.softmax(dim=-1), values)  # [KVH, n, G, D]
+        return out.transpose(0, 1).reshape(n, self.num_heads, d)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_blocks: torch.Tensor,
+                 v_blocks: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
+        if chunk.context is None:
             keys, values = k.transpose(0, 1), v.transpose(0, 1)
         else:
-            keys, values = k_cache[:, chunk.slot_index], v_cache[:, chunk.slot_index]
+            blocks, offsets = chunk.context
+            keys = k_blocks[:, blocks, :, offsets].transpose(0, 1)  # [KVH, context, D]
+            values = v_blocks[:, blocks, offsets]
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
             attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=self.scale, enable_gqa=True)

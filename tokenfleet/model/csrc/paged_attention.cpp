@@ -27,6 +27,30 @@ inline void for_each_token(const T* cache, const int64_t* table, int64_t len, co
   }
 }
 
+// Scores of query heads g (pre-scaled, float) against every context token. Keys are stored transposed inside a
+// block ([head_dim][block_size]), so a block's scores are head_dim vector multiply-adds, with no horizontal sums.
+template <typename T>
+void block_scores(const float* qf, const T* k, const int64_t* table, int64_t len, const Shape& s, int64_t G,
+                  float* scores) {
+  const int64_t D = s.head_dim, B = s.block_size;
+  for (int64_t t0 = 0, b = 0; t0 < len; t0 += B, ++b) {
+    const T* block = k + table[b] * B * D;
+    const int64_t stop = std::min(B, len - t0);
+    for (int64_t g = 0; g < G; ++g) {
+      float* row = scores + g * len + t0;
+      const float* qg = qf + g * D;
+      float acc[256] = {0.f};  // block_size <= 256 (checked by the caller)
+      for (int64_t d = 0; d < D; ++d) {
+        const float qd = qg[d];
+        const T* keys = block + d * B;
+#pragma omp simd
+        for (int64_t i = 0; i < B; ++i) acc[i] += qd * as_float(keys[i]);
+      }
+      std::copy(acc, acc + stop, row);
+    }
+  }
+}
+
 // One sequence, one KV head and the G query heads that share it: scores, softmax, weighted sum of values.
 template <typename T>
 void attend_one(const T* q, const T* k, const T* v, const int64_t* table, int64_t len, T* out,
@@ -35,15 +59,7 @@ void attend_one(const T* q, const T* k, const T* v, const int64_t* table, int64_
   const int64_t G = s.heads / s.kv_heads, D = s.head_dim;
   for (int64_t i = 0; i < G * D; ++i) qf[i] = as_float(q[i]) * scale;
   scores.resize(G * len);
-  for_each_token(k, table, len, s, [&](int64_t t, const T* key) {
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = qf.data() + g * D;
-      float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < D; ++d) dot += qg[d] * as_float(key[d]);
-      scores[g * len + t] = dot;
-    }
-  });
+  block_scores<T>(qf.data(), k, table, len, s, G, scores.data());
   float inv_sum[64];  // G <= 64 query heads per KV head (checked by the caller)
   for (int64_t g = 0; g < G; ++g) {
     float* row = scores.data() + g * len;
@@ -91,7 +107,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 
 }  // namespace
 
-// q: [n, H, D]; k_cache, v_cache: [KVH, slots, D]; block_tables: [n, W] int64; context_lens: [n] int64.
+// q: [n, H, D]; k_cache, v_cache: [KVH, blocks, block_size * D] (keys [D][block_size] inside a block, values
+// [block_size][D]); block_tables: [n, W] int64; context_lens: [n] int64.
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                                   at::Tensor context_lens, int64_t block_size, double scale) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
@@ -99,8 +116,9 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0 && q.size(1) / k_cache.size(0) <= 64, "unsupported head grouping");
+  TORCH_CHECK(block_size <= 256, "block_size above 256 is not supported by the CPU kernel");
   auto out = at::empty_like(q);
-  const Shape s{q.size(1), k_cache.size(0), q.size(2), k_cache.size(1), tables.size(1), block_size};
+  const Shape s{q.size(1), k_cache.size(0), q.size(2), k_cache.size(1) * block_size, tables.size(1), block_size};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     decode<scalar_t>(q, k_cache, v_cache, tables, lens, out, s, static_cast<float>(scale));
   });

@@ -70,7 +70,40 @@ def run_replica(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_serve(parser: argparse.ArgumentParser) -> None:
+    from tokenfleet.config import add_engine_arguments
+
+    add_engine_arguments(parser, model_required=False)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--ping-interval", type=float, default=15.0, help="seconds between SSE heartbeats")
+    parser.add_argument("--disconnect-grace", type=float, default=5.0,
+                        help="seconds a dropped stream keeps generating, waiting for a resume, before it is cancelled")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from tokenfleet.gateway.main import serve_embedded
+
+    serve_embedded(args)
+    return 0
+
+
+def add_gateway(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="fleet.yaml (see docs/architecture.md)")
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    from tokenfleet.gateway.main import serve_gateway
+
+    serve_gateway(args)
+    return 0
+
+
 COMMANDS: list[Command] = [
+    Command("serve", "gateway and one replica in one process (demo checkpoint without --model)", add_serve,
+            run_serve),
+    Command("gateway", "the public API in front of replicas listed in a fleet.yaml", add_gateway, run_gateway),
     Command("replica", "serve one model with the OpenAI-compatible replica server", add_replica, run_replica),
     Command("generate", "generate completions offline for a few prompts", add_generate, run_generate),
     Command("demo-model", "write a small random-weight Llama checkpoint (no download needed)",

@@ -39,14 +39,14 @@ class EngineConfig:
         return torch.device(self.device)
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+def add_engine_arguments(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
     """One --flag per EngineConfig field (underscores become dashes), with the field's default and type."""
     hints = typing.get_type_hints(EngineConfig)
     for f in fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
         if f.name == "model":
-            parser.add_argument(flag, required=True, help="Hugging Face checkpoint folder")
+            parser.add_argument(flag, required=model_required, default=None, help="Hugging Face checkpoint folder")
         elif kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         else:

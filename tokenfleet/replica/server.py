@@ -30,6 +30,22 @@ class ReplicaService:
         self.engine, self.model_name = engine, model_name
         self.metrics = ReplicaMetrics(engine.engine, model_name)
 
+    def open(self, kind: str, body: object) -> tuple[ChatCompletionRequest | CompletionRequest, ChoiceStream,
+                                                     Renderer]:
+        """Validates a chat ("chat") or text ("text") completion body and starts its engine requests."""
+        if kind == "chat":
+            req = parse(ChatCompletionRequest, body)
+            self.check_model(req.model)
+            stream, renderer = self.start("chat", [self.chat_prompt(req)], req, req.requested_max_tokens(),
+                                          req.requested_logprobs())
+            return req, stream, renderer
+        req = parse(CompletionRequest, body)
+        self.check_model(req.model)
+        if req.suffix:
+            raise bad_request("suffix is not supported", param="suffix")
+        stream, renderer = self.start("text", self.text_prompts(req), req, req.max_tokens, req.logprobs)
+        return req, stream, renderer
+
     def check_model(self, model: str) -> None:
         if model != self.model_name:
             raise not_found(f"The model `{model}` does not exist; this replica serves `{self.model_name}`",
@@ -67,15 +83,20 @@ class ReplicaService:
         stream = ChoiceStream(self.engine, request_id, prompts, params, req.n, req.priority)
         return stream, Renderer(kind, request_id, req.model, self.engine.tokenizer)
 
-    async def events(self, stream: ChoiceStream, renderer: Renderer, include_usage: bool) -> AsyncIterator[str]:
+    async def chunks(self, stream: ChoiceStream, renderer: Renderer, include_usage: bool) -> AsyncIterator[dict]:
+        """The OpenAI chunk objects of a streamed response (without the closing [DONE])."""
         arrival, started = time.monotonic(), set()
         async for index, out in stream:
-            yield sse_event(json.dumps(renderer.chunk(index, out, first=index not in started)))
+            yield renderer.chunk(index, out, first=index not in started)
             started.add(index)
         if include_usage:
-            yield sse_event(json.dumps(renderer.usage_chunk(stream.usage)))
-        yield sse_event("[DONE]")
+            yield renderer.usage_chunk(stream.usage)
         self._observe(stream, arrival)
+
+    async def events(self, stream: ChoiceStream, renderer: Renderer, include_usage: bool) -> AsyncIterator[str]:
+        async for chunk in self.chunks(stream, renderer, include_usage):
+            yield sse_event(json.dumps(chunk))
+        yield sse_event("[DONE]")
 
     async def respond(self, stream: ChoiceStream, renderer: Renderer) -> dict:
         arrival = time.monotonic()
@@ -117,19 +138,12 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        req = parse(ChatCompletionRequest, await read_json(request))
-        service.check_model(req.model)
-        prompt = service.chat_prompt(req)
-        stream, renderer = service.start("chat", [prompt], req, req.requested_max_tokens(), req.requested_logprobs())
+        req, stream, renderer = service.open("chat", await read_json(request))
         return await reply(request, service, stream, renderer, req.stream, req.include_usage)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = parse(CompletionRequest, await read_json(request))
-        service.check_model(req.model)
-        if req.suffix:
-            raise bad_request("suffix is not supported", param="suffix")
-        stream, renderer = service.start("text", service.text_prompts(req), req, req.max_tokens, req.logprobs)
+        req, stream, renderer = service.open("text", await read_json(request))
         return await reply(request, service, stream, renderer, req.stream, req.include_usage)
 
     return app

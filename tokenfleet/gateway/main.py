@@ -1,0 +1,110 @@
+"""`tokenfleet serve` (gateway + in-process replica, one process) and `tokenfleet gateway --config fleet.yaml`."""
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import uvicorn
+import yaml
+from fastapi import FastAPI
+from fastapi.responses import Response
+
+from tokenfleet.config import EngineConfig, engine_config_from_args
+from tokenfleet.engine.async_engine import AsyncEngine
+from tokenfleet.gateway.app import Gateway, ModelInfo, StreamSettings, create_gateway_app
+from tokenfleet.gateway.resume import MemoryResumeBuffer, RedisResumeBuffer
+from tokenfleet.gateway.upstream import HttpUpstream, InProcessUpstream
+from tokenfleet.model.config import ModelConfig
+from tokenfleet.model.tokenizer import Tokenizer
+from tokenfleet.replica.metrics import load_report
+from tokenfleet.replica.server import ReplicaService
+
+log = logging.getLogger(__name__)
+DEMO_DIR = Path.home() / ".cache" / "tokenfleet" / "demo-model"
+
+
+@dataclass
+class FleetConfig:
+    """fleet.yaml: the model the gateway serves, its replicas, and where streams are kept for resume."""
+
+    model_name: str
+    model_path: str  # checkpoint folder (the gateway reads its tokenizer and context window)
+    replicas: list[str] = field(default_factory=list)  # replica base URLs
+    redis_url: str | None = None  # resume buffer in Redis (fleet); in memory when absent
+    redis_prefix: str = "tokenfleet:stream:"
+    resume_ttl_s: int = 300
+    host: str = "127.0.0.1"
+    port: int = 8000
+    streams: StreamSettings = field(default_factory=StreamSettings)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "FleetConfig":
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        streams = StreamSettings(**raw.pop("streams", {}) or {})
+        return cls(**raw, streams=streams)
+
+
+def model_info(name: str, path: str, max_model_len: int | None = None) -> ModelInfo:
+    window = ModelConfig.from_dir(path).max_model_len
+    return ModelInfo(name, Tokenizer.from_dir(path), min(max_model_len or window, window))
+
+
+def resume_buffer(config: FleetConfig):
+    if not config.redis_url:
+        return MemoryResumeBuffer(config.resume_ttl_s)
+    import redis.asyncio as redis
+
+    return RedisResumeBuffer(redis.from_url(config.redis_url), config.redis_prefix, config.resume_ttl_s)
+
+
+def serve_gateway(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = FleetConfig.load(args.config)
+    upstreams = [HttpUpstream(url) for url in config.replicas]
+    gateway = Gateway(model_info(config.model_name, config.model_path), upstreams, resume_buffer(config),
+                      config.streams)
+    log.info("gateway for %s over %d replica(s) on http://%s:%d", config.model_name, len(upstreams),
+             config.host, config.port)
+    uvicorn.run(create_gateway_app(gateway), host=config.host, port=config.port, loop="uvloop", http="httptools",
+                log_level="warning")
+
+
+def serve_embedded(args: argparse.Namespace) -> None:
+    """Gateway and one replica in this process: in-memory resume buffer, the same endpoints as a fleet."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.model is None:
+        args.model = str(demo_checkpoint())
+    engine_config: EngineConfig = engine_config_from_args(args)
+    name = args.served_model_name or Path(engine_config.model).resolve().name
+    engine = AsyncEngine(engine_config)
+    service = ReplicaService(engine, name)
+    info = ModelInfo(name, engine.tokenizer, engine.engine.max_model_len)
+    settings = StreamSettings(ping_interval_s=args.ping_interval, disconnect_grace_s=args.disconnect_grace)
+    gateway = Gateway(info, [InProcessUpstream(service)], MemoryResumeBuffer(), settings)
+
+    def replica_routes(app: FastAPI) -> None:
+        app.get("/load")(lambda: load_report(engine.engine))
+        app.get("/metrics")(lambda: Response(service.metrics.render(), media_type="text/plain; version=0.0.4"))
+
+    log.warning("serving %s on http://%s:%d with NO authentication (single-user embedded mode)", name, args.host,
+                args.port)
+    try:
+        uvicorn.run(create_gateway_app(gateway, replica_routes), host=args.host, port=args.port, loop="uvloop",
+                    http="httptools", log_level="warning")
+    finally:
+        engine.shutdown()
+
+
+def demo_checkpoint() -> Path:
+    if not (DEMO_DIR / "config.json").is_file():
+        from tokenfleet.model.demo import write_demo_checkpoint
+
+        log.info("no --model given: writing the demo checkpoint to %s", DEMO_DIR)
+        write_demo_checkpoint(DEMO_DIR, size="small")
+    return DEMO_DIR

@@ -1,0 +1,87 @@
+"""A relay runs one request's generation in the background, independent of any client connection, and writes
+every event to the resume buffer; client connections read from there at their own pace. So a slow or dropped
+client never blocks generation, and a reconnecting client resumes where it left off."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from tokenfleet.api.errors import APIError
+from tokenfleet.gateway.resume import ResumeBuffer, StreamEvent
+
+log = logging.getLogger(__name__)
+DONE = "[DONE]"
+
+
+@dataclass(eq=False)
+class Relay:
+    request_id: str
+    buffer: ResumeBuffer
+    include_usage: bool  # whether the client asked for the usage chunk (the relay always records usage)
+    disconnect_grace_s: float
+    usage: dict | None = None
+    last_id: int = 0
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+    readers: int = 0
+    task: asyncio.Task | None = None
+    _cancel_timer: asyncio.TimerHandle | None = None
+
+    async def start(self, chunks: AsyncIterator[dict]) -> None:
+        await self.buffer.open(self.request_id)
+        self.task = asyncio.create_task(self._run(chunks), name=f"relay-{self.request_id}")
+
+    async def _run(self, chunks: AsyncIterator[dict]) -> None:
+        try:
+            async for chunk in chunks:
+                chunk["id"] = self.request_id
+                if chunk.get("usage") and not chunk.get("choices"):
+                    self.usage = chunk["usage"]
+                    if not self.include_usage:
+                        continue
+                await self._emit(json.dumps(chunk))
+        except APIError as e:
+            await self._emit(json.dumps(e.body()))
+        except asyncio.CancelledError:
+            log.info("request %s cancelled", self.request_id)
+        except Exception as e:  # the replica broke mid-stream: the client gets an error event, not a hang
+            log.exception("relay %s failed", self.request_id)
+            await self._emit(json.dumps(APIError(502, f"generation failed: {e}", "server_error").body()))
+        finally:
+            await self._finish()
+
+    async def _emit(self, data: str) -> None:
+        self.last_id += 1
+        await self.buffer.append(self.request_id, StreamEvent(self.last_id, data))
+
+    async def _finish(self) -> None:
+        try:
+            await self._emit(DONE)
+            await self.buffer.close(self.request_id)
+        finally:
+            self.finished.set()
+
+    def cancel(self) -> bool:
+        if self.finished.is_set() or self.task is None:
+            return False
+        self.task.cancel()
+        return True
+
+    def reader_joined(self) -> None:
+        self.readers += 1
+        if self._cancel_timer is not None:
+            self._cancel_timer.cancel()
+            self._cancel_timer = None
+
+    def reader_left(self, disconnected: bool) -> None:
+        """A client went away; if nobody resumes within the grace period, stop generating (a cost feature)."""
+        self.readers -= 1
+        if disconnected and self.readers == 0 and not self.finished.is_set():
+            loop = asyncio.get_running_loop()
+            self._cancel_timer = loop.call_later(self.disconnect_grace_s, self._cancel_if_abandoned)
+
+    def _cancel_if_abandoned(self) -> None:
+        if self.readers == 0:
+            self.cancel()

@@ -1,0 +1,78 @@
+"""Where the gateway sends work: a replica in this process, or a replica (ours or any OpenAI-compatible server)
+over HTTP. Both stream OpenAI chunk objects back and report their load."""
+from __future__ import annotations
+
+import json
+from typing import AsyncIterator, Protocol
+
+import httpx
+
+from tokenfleet.api.errors import APIError
+from tokenfleet.replica.metrics import load_report
+from tokenfleet.replica.server import ReplicaService
+
+PATHS = {"chat": "/v1/chat/completions", "text": "/v1/completions"}
+
+
+class Upstream(Protocol):
+    name: str
+
+    def stream(self, kind: str, body: dict) -> AsyncIterator[dict]:
+        """Streams the chunks of a completion ("chat" or "text"); raises APIError if the replica rejects it."""
+
+    async def load(self) -> dict: ...
+
+
+class InProcessUpstream:
+    def __init__(self, service: ReplicaService, name: str = "local") -> None:
+        self.service, self.name = service, name
+
+    async def stream(self, kind: str, body: dict) -> AsyncIterator[dict]:
+        _, stream, renderer = self.service.open(kind, {**body, "stream": True})
+        async for chunk in self.service.chunks(stream, renderer, include_usage=True):
+            yield chunk
+
+    async def load(self) -> dict:
+        return load_report(self.service.engine.engine)
+
+
+class HttpUpstream:
+    def __init__(self, base_url: str, name: str | None = None, connect_timeout_s: float = 5.0,
+                 read_timeout_s: float = 120.0) -> None:
+        self.base_url, self.name = base_url.rstrip("/"), name or base_url
+        timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
+        self.client = httpx.AsyncClient(base_url=self.base_url, timeout=timeout)
+
+    async def stream(self, kind: str, body: dict) -> AsyncIterator[dict]:
+        payload = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        try:
+            async with self.client.stream("POST", PATHS[kind], json=payload) as response:
+                if response.status_code != 200:
+                    raise _replica_error(response.status_code, await response.aread())
+                async for line in response.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        yield json.loads(line[6:])
+        except httpx.HTTPError as e:
+            raise APIError(502, f"replica {self.name} failed: {e.__class__.__name__}", "server_error",
+                           code="upstream_error") from e
+
+    async def load(self) -> dict:
+        response = await self.client.get("/load", timeout=2.0)
+        response.raise_for_status()
+        return response.json()
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+def _replica_error(status: int, body: bytes) -> APIError:
+    """A replica's 4xx passes through as it was; anything else is the replica's failure, not the client's."""
+    try:
+        error = json.loads(body)["error"]
+    except (ValueError, KeyError, TypeError):
+        error = {"message": body.decode(errors="replace")[:500]}
+    if 400 <= status < 500:
+        return APIError(status, error.get("message", ""), error.get("type", "invalid_request_error"),
+                        error.get("param"), error.get("code"))
+    return APIError(502, f"replica answered {status}: {error.get('message', '')}", "server_error",
+                    code="upstream_error")

@@ -53,6 +53,11 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_drain_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="on SIGTERM: stop accepting, let in-flight streams finish for at most this many seconds")
+
+
 def add_replica(parser: argparse.ArgumentParser) -> None:
     from tokenfleet.config import add_engine_arguments
 
@@ -61,6 +66,7 @@ def add_replica(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--served-model-name", default=None,
                         help="model name clients use (default: the checkpoint folder's name)")
+    add_drain_argument(parser)
 
 
 def run_replica(args: argparse.Namespace) -> int:
@@ -80,6 +86,7 @@ def add_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ping-interval", type=float, default=15.0, help="seconds between SSE heartbeats")
     parser.add_argument("--disconnect-grace", type=float, default=5.0,
                         help="seconds a dropped stream keeps generating, waiting for a resume, before it is cancelled")
+    add_drain_argument(parser)
 
 
 def run_serve(args: argparse.Namespace) -> int:

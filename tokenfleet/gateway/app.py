@@ -11,7 +11,8 @@ from typing import Awaitable, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenfleet.api.errors import APIError, bad_request, not_found
+from tokenfleet.api.errors import bad_request, not_found
+from tokenfleet.api.http import install_error_handler, read_json, until_disconnect
 from tokenfleet.api.protocol import ChatCompletionRequest, CompletionRequest, parse
 from tokenfleet.api.sse import sse_event
 from tokenfleet.gateway.aggregate import aggregate
@@ -20,7 +21,6 @@ from tokenfleet.gateway.resume import ResumeBuffer
 from tokenfleet.gateway.sse_response import SlowClient, SSEResponse
 from tokenfleet.gateway.upstream import Upstream
 from tokenfleet.model.tokenizer import Tokenizer
-from tokenfleet.replica.server import read_json, until_disconnect
 
 log = logging.getLogger(__name__)
 SafetyHook = Callable[[dict, list[int]], Awaitable[str | None]]  # returns a refusal message, or None to allow
@@ -147,9 +147,7 @@ def create_gateway_app(gateway: Gateway, extra_routes: Callable[[FastAPI], None]
     app = FastAPI(title="tokenfleet gateway", docs_url=None, redoc_url=None)
     app.state.gateway = gateway
 
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+    install_error_handler(app)
 
     @app.get("/health")
     async def health() -> dict:

@@ -6,11 +6,11 @@ import logging
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-import uvicorn
 import yaml
 from fastapi import FastAPI
 from fastapi.responses import Response
 
+from tokenfleet.api.http import configure_logging, run_http
 from tokenfleet.config import EngineConfig, engine_config_from_args
 from tokenfleet.engine.async_engine import AsyncEngine
 from tokenfleet.gateway.app import Gateway, ModelInfo, StreamSettings, create_gateway_app
@@ -37,6 +37,7 @@ class FleetConfig:
     resume_ttl_s: int = 300
     host: str = "127.0.0.1"
     port: int = 8000
+    drain_timeout_s: float = 30.0
     streams: StreamSettings = field(default_factory=StreamSettings)
 
     @classmethod
@@ -64,20 +65,19 @@ def resume_buffer(config: FleetConfig):
 
 
 def serve_gateway(args: argparse.Namespace) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     config = FleetConfig.load(args.config)
     upstreams = [HttpUpstream(url) for url in config.replicas]
     gateway = Gateway(model_info(config.model_name, config.model_path), upstreams, resume_buffer(config),
                       config.streams)
     log.info("gateway for %s over %d replica(s) on http://%s:%d", config.model_name, len(upstreams),
              config.host, config.port)
-    uvicorn.run(create_gateway_app(gateway), host=config.host, port=config.port, loop="uvloop", http="httptools",
-                log_level="warning")
+    run_http(create_gateway_app(gateway), config.host, config.port, config.drain_timeout_s)
 
 
 def serve_embedded(args: argparse.Namespace) -> None:
     """Gateway and one replica in this process: in-memory resume buffer, the same endpoints as a fleet."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     if args.model is None:
         args.model = str(demo_checkpoint())
     engine_config: EngineConfig = engine_config_from_args(args)
@@ -95,8 +95,7 @@ def serve_embedded(args: argparse.Namespace) -> None:
     log.warning("serving %s on http://%s:%d with NO authentication (single-user embedded mode)", name, args.host,
                 args.port)
     try:
-        uvicorn.run(create_gateway_app(gateway, replica_routes), host=args.host, port=args.port, loop="uvloop",
-                    http="httptools", log_level="warning")
+        run_http(create_gateway_app(gateway, replica_routes), args.host, args.port, args.drain_timeout)
     finally:
         engine.shutdown()
 

@@ -5,8 +5,7 @@ import argparse
 import logging
 from pathlib import Path
 
-import uvicorn
-
+from tokenfleet.api.http import configure_logging, run_http
 from tokenfleet.config import engine_config_from_args
 from tokenfleet.engine.async_engine import AsyncEngine
 from tokenfleet.replica.server import create_app
@@ -15,13 +14,13 @@ log = logging.getLogger(__name__)
 
 
 def serve_replica(args: argparse.Namespace) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     config = engine_config_from_args(args)
     name = args.served_model_name or Path(config.model).resolve().name
     engine = AsyncEngine(config)
     app = create_app(engine, name)
     log.info("replica serving %s on http://%s:%d", name, args.host, args.port)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", http="httptools", log_level="warning")
+        run_http(app, args.host, args.port, args.drain_timeout)
     finally:
         engine.shutdown()

@@ -1,7 +1,6 @@
 """The replica's HTTP server: an OpenAI-compatible API around one AsyncEngine, plus /health, /metrics and /load."""
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -11,7 +10,8 @@ from typing import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tokenfleet.api.errors import APIError, bad_request, not_found
+from tokenfleet.api.errors import bad_request, not_found
+from tokenfleet.api.http import install_error_handler, read_json, until_disconnect
 from tokenfleet.api.protocol import ChatCompletionRequest, CompletionRequest, parse
 from tokenfleet.api.render import Renderer
 from tokenfleet.api.sse import SSE_HEADERS, sse_event
@@ -20,7 +20,6 @@ from tokenfleet.replica.choices import ChoiceStream
 from tokenfleet.replica.metrics import ReplicaMetrics, load_report
 
 log = logging.getLogger(__name__)
-MAX_BODY_BYTES = 4 << 20
 
 
 class ReplicaService:
@@ -115,9 +114,7 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
     app = FastAPI(title="tokenfleet replica", docs_url=None, redoc_url=None)
     app.state.service = service
 
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+    install_error_handler(app)
 
     @app.get("/health")
     async def health() -> dict:
@@ -149,19 +146,6 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
     return app
 
 
-async def read_json(request: Request) -> object:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
-    body = await request.body()
-    if len(body) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from e
-
-
 async def reply(request: Request, service: ReplicaService, stream: ChoiceStream, renderer: Renderer,
                 streaming: bool, include_usage: bool) -> Response:
     if streaming:
@@ -169,15 +153,3 @@ async def reply(request: Request, service: ReplicaService, stream: ChoiceStream,
                                  headers={**SSE_HEADERS, "x-request-id": renderer.request_id})
     body = await until_disconnect(request, service.respond(stream, renderer))
     return JSONResponse(body, headers={"x-request-id": renderer.request_id})
-
-
-async def until_disconnect(request: Request, work) -> dict:
-    """Awaits a non-streamed response, cancelling it (and so its engine requests) if the client goes away."""
-    task = asyncio.ensure_future(work)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=0.5)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
-            task.cancel()
-            raise APIError(499, "client closed the request", code="client_closed_request")

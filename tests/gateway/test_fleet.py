@@ -1,0 +1,111 @@
+"""Gateway and replicas as separate processes, streams kept in the real Redis; drain on SIGTERM."""
+from __future__ import annotations
+
+import json
+import signal
+import time
+import uuid
+
+import httpx
+import openai
+import pytest
+import redis
+import yaml
+
+from tests.gateway.test_serve import parse_events, stream_body, text_of
+from tests.servers import free_port, running_process
+
+MODEL = "tiny"
+
+
+def replica_args(model_dir, port: int) -> list[str]:
+    return ["replica", "--model", str(model_dir), "--port", str(port), "--served-model-name", MODEL,
+            "--kv-cache-gib", "0.05", "--max-model-len", "512", "--drain-timeout", "20"]
+
+
+@pytest.fixture(scope="module")
+def fleet(demo_model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("fleet")
+    prefix = f"tokenfleet-test:{uuid.uuid4().hex}:"
+    ports = [free_port(), free_port()]
+    gateway_port = free_port()
+    config = {"model_name": MODEL, "model_path": str(demo_model_dir), "port": gateway_port,
+              "replicas": [f"http://127.0.0.1:{p}" for p in ports], "redis_url": "redis://127.0.0.1:6379/0",
+              "redis_prefix": prefix, "streams": {"disconnect_grace_s": 0.5}}
+    (logs / "fleet.yaml").write_text(yaml.safe_dump(config))
+    with running_process(replica_args(demo_model_dir, ports[0]), f"http://127.0.0.1:{ports[0]}/health",
+                         logs / "r0.log"), \
+            running_process(replica_args(demo_model_dir, ports[1]), f"http://127.0.0.1:{ports[1]}/health",
+                            logs / "r1.log"), \
+            running_process(["gateway", "--config", str(logs / "fleet.yaml")],
+                            f"http://127.0.0.1:{gateway_port}/health", logs / "gateway.log"):
+        yield {"gateway": f"http://127.0.0.1:{gateway_port}", "replicas": [f"http://127.0.0.1:{p}" for p in ports],
+               "prefix": prefix}
+    client = redis.Redis(host="127.0.0.1", port=6379)
+    keys = list(client.scan_iter(match=prefix + "*"))
+    if keys:
+        client.delete(*keys)
+
+
+def test_sdk_through_the_gateway_spreads_over_replicas(fleet):
+    client = openai.OpenAI(base_url=f"{fleet['gateway']}/v1", api_key="unused", max_retries=0)
+    streams = [client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"Hi {i}"}],
+                                              max_tokens=30, temperature=0, stream=True,
+                                              extra_body={"ignore_eos": True}) for i in range(4)]
+    texts = ["".join(c.choices[0].delta.content or "" for c in s if c.choices) for s in streams]
+    assert all(texts)
+    served = [httpx.get(f"{r}/metrics").text for r in fleet["replicas"]]
+    counts = [sum(float(line.split()[-1]) for line in m.splitlines()
+                  if line.startswith("vllm:request_success_total")) for m in served]
+    assert all(c >= 1 for c in counts), f"requests were not spread over the replicas: {counts}"
+    reply = client.completions.create(model=MODEL, prompt="The list", max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 4
+
+
+def test_resume_from_redis(fleet):
+    with httpx.stream("POST", f"{fleet['gateway']}/v1/chat/completions", json=stream_body(60)) as response:
+        request_id = response.headers["x-request-id"]
+        first = []
+        for line in response.iter_lines():
+            first.append(line)
+            if len(parse_events(first)) == 2:
+                break
+    seen = parse_events(first)
+    assert redis.Redis(host="127.0.0.1", port=6379).exists(fleet["prefix"] + request_id)
+    resumed = parse_events(httpx.get(f"{fleet['gateway']}/v1/requests/{request_id}/stream",
+                                     headers={"Last-Event-ID": str(seen[-1][0])}, timeout=30).text.splitlines())
+    ids = [i for i, _ in seen + resumed]
+    assert ids == list(range(1, len(ids) + 1)) and resumed[-1][1] == "[DONE]"
+    chunks = [json.loads(d) for _, d in seen + resumed if d != "[DONE]"]
+    assert sum(1 for c in chunks if c["choices"]) == 60
+
+
+def test_replica_drains_on_sigterm(demo_model_dir, tmp_path):
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with running_process(replica_args(demo_model_dir, port), f"{base}/health", tmp_path / "r.log") as proc:
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=stream_body(480), timeout=60) as response:
+            lines = response.iter_lines()
+            first = [next(lines)]
+            proc.send_signal(signal.SIGTERM)
+            refused = refuses_new_connections(f"{base}/health")
+            events = parse_events(first + list(lines))
+        assert refused, "the draining replica still accepted a new connection"
+        assert events[-1][1] == "[DONE]"
+        assert len([e for e in events if e[1] != "[DONE]"]) == 480, "the in-flight stream was cut by the drain"
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once drained
+    assert text_of(events)
+
+
+def refuses_new_connections(url: str, within_s: float = 2.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(url, timeout=0.5)
+        except httpx.ConnectError:
+            return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.02)
+    return False

@@ -86,6 +86,8 @@ def add_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ping-interval", type=float, default=15.0, help="seconds between SSE heartbeats")
     parser.add_argument("--disconnect-grace", type=float, default=5.0,
                         help="seconds a dropped stream keeps generating, waiting for a resume, before it is cancelled")
+    parser.add_argument("--safety-hook", default=None,
+                        help="package.module:function, an async check called on every request (default: allow all)")
     add_drain_argument(parser)
 
 

@@ -56,7 +56,7 @@ def make_gateway(upstream, buffer=None, **settings) -> Gateway:
 def test_heartbeats_while_the_stream_is_idle():
     async def scenario():
         gateway = make_gateway(FakeUpstream(3, delay=0.25), ping_interval_s=0.05)
-        relay = await gateway.start_relay(gateway.upstreams[0], "chat", {}, include_usage=False)
+        relay = await gateway.start_relay(gateway.upstreams[0], "chat", {}, False)
         body = b"".join(await run_response(gateway.sse(relay.request_id, 0))).decode()
         assert body.count(": ping\n\n") >= 6
         assert body.rstrip().endswith("data: [DONE]")
@@ -85,7 +85,7 @@ def test_slow_reader_is_cut_off_and_resumes_everything():
 def test_cancel_stops_generation_and_closes_the_stream():
     async def scenario():
         gateway = make_gateway(FakeUpstream(1000, delay=0.01))
-        relay = await gateway.start_relay(gateway.upstreams[0], "chat", {}, include_usage=False)
+        relay = await gateway.start_relay(gateway.upstreams[0], "chat", {}, False)
         await asyncio.sleep(0.05)
         assert gateway.cancel(relay.request_id)
         await relay.finished.wait()

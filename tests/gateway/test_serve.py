@@ -18,7 +18,8 @@ def server(demo_model_dir, tmp_path_factory):
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     args = ["serve", "--model", str(demo_model_dir), "--port", str(port), "--served-model-name", MODEL,
-            "--kv-cache-gib", "0.05", "--max-model-len", "512", "--disconnect-grace", "0.5"]
+            "--kv-cache-gib", "0.05", "--max-model-len", "512", "--disconnect-grace", "0.5",
+            "--safety-hook", "tests.gateway.hooks:refuse_forbidden"]
     with running_process(args, f"{base}/health", tmp_path_factory.mktemp("logs") / "serve.log"):
         yield base
 
@@ -146,4 +147,32 @@ def test_bad_input_and_unknown_streams(server, client):
     assert httpx.get(f"{server}/v1/requests/nope/stream").status_code == 404
     bad = httpx.get(f"{server}/v1/requests/nope/stream", headers={"Last-Event-ID": "x"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "Last-Event-ID"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a forbidden topic"}])
+    assert info.value.body["code"] == "content_filter"
     assert httpx.get(f"{server}/health").status_code == 200
+
+
+def test_native_stream_format_and_resume(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me"}], "max_tokens": 9,
+            "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", f"{server}/v1/generate", json=body) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        request_id = response.headers["x-request-id"]
+        raw = list(response.iter_lines())
+    assert "event: done" in raw
+    events = parse_events(raw)
+    deltas = [json.loads(d) for _, d in events[:-1]]
+    assert len(deltas) == 9 and all(set(d) >= {"delta", "index"} for d in deltas)
+    usage = json.loads(events[-1][1])["usage"]
+    assert usage["output_tokens"] == 9 and usage["input_tokens"] > 0 and "cached_tokens" in usage
+    replay = httpx.get(f"{server}/v1/requests/{request_id}/stream", headers={"Last-Event-ID": "7"})
+    assert [i for i, _ in parse_events(replay.text.splitlines())] == list(range(8, len(events) + 1))
+
+
+def test_metrics_cover_gateway_and_replica(server):
+    text = httpx.get(f"{server}/metrics").text
+    for name in ("tokenfleet_gateway_requests_total", "tokenfleet_gateway_stream_endings_total",
+                 "tokenfleet_gateway_active_relays", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+        assert name in text, name
+    assert 'endpoint="/v1/chat/completions",status="200"' in text

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -16,20 +16,16 @@ from tokenfleet.api.http import install_error_handler, read_json, until_disconne
 from tokenfleet.api.protocol import ChatCompletionRequest, CompletionRequest, parse
 from tokenfleet.api.sse import sse_event
 from tokenfleet.gateway.aggregate import aggregate
+from tokenfleet.gateway.formats import NativeFormat, OpenAIFormat
+from tokenfleet.gateway.metrics import GatewayMetrics
 from tokenfleet.gateway.relay import Relay
 from tokenfleet.gateway.resume import ResumeBuffer
+from tokenfleet.gateway.safety import SafetyHook, allow_all
 from tokenfleet.gateway.sse_response import SlowClient, SSEResponse
 from tokenfleet.gateway.upstream import Upstream
 from tokenfleet.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-SafetyHook = Callable[[dict, list[int]], Awaitable[str | None]]  # returns a refusal message, or None to allow
-
-
-async def allow_all(body: dict, prompt_token_ids: list[int]) -> str | None:
-    return None
-
-
 @dataclass
 class StreamSettings:
     ping_interval_s: float = 15.0
@@ -54,6 +50,8 @@ class Gateway:
         self.settings, self.safety = settings or StreamSettings(), safety
         self.relays: dict[str, Relay] = {}
         self.in_flight = {u.name: 0 for u in upstreams}
+        self.metrics = GatewayMetrics(lambda: sum(not r.finished.is_set() for r in self.relays.values()))
+        self.extra_metrics: Callable[[], bytes] | None = None  # e.g. the in-process replica's, when embedded
 
     # --- admission ----------------------------------------------------------------------------------------
 
@@ -92,9 +90,11 @@ class Gateway:
 
     # --- relaying -----------------------------------------------------------------------------------------
 
-    async def start_relay(self, upstream: Upstream, kind: str, body: dict, include_usage: bool) -> Relay:
+    async def start_relay(self, upstream: Upstream, kind: str, body: dict, include_usage: bool,
+                          native: bool = False) -> Relay:
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        relay = Relay(request_id, self.buffer, include_usage, self.settings.disconnect_grace_s)
+        events = NativeFormat(request_id) if native else OpenAIFormat(request_id, include_usage)
+        relay = Relay(request_id, self.buffer, events, self.settings.disconnect_grace_s)
         self.relays[request_id] = relay
         self.in_flight[upstream.name] += 1
         await relay.start(upstream.stream(kind, body))
@@ -112,6 +112,7 @@ class Gateway:
             relay.reader_joined()
 
         def on_end(how: str) -> None:
+            self.metrics.stream_endings.labels(how).inc()
             if relay is not None:
                 relay.reader_left(disconnected=how == "disconnect")
 
@@ -140,7 +141,11 @@ class Gateway:
         if relay is None:
             raise not_found(f"no request {request_id!r} (finished requests are kept for a few minutes)",
                             param="request_id")
+        self.metrics.cancels.inc()
         return relay.cancel()
+
+    def render_metrics(self) -> bytes:
+        return self.metrics.render() + (self.extra_metrics() if self.extra_metrics else b"")
 
 
 def create_gateway_app(gateway: Gateway, extra_routes: Callable[[FastAPI], None] | None = None) -> FastAPI:
@@ -148,6 +153,18 @@ def create_gateway_app(gateway: Gateway, extra_routes: Callable[[FastAPI], None]
     app.state.gateway = gateway
 
     install_error_handler(app)
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next):
+        response = await call_next(request)
+        if request.url.path.startswith("/v1/"):
+            endpoint = request.scope.get("route").path if request.scope.get("route") else "unknown"
+            gateway.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        return response
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(gateway.render_metrics(), media_type="text/plain; version=0.0.4")
 
     @app.get("/health")
     async def health() -> dict:
@@ -174,6 +191,14 @@ def create_gateway_app(gateway: Gateway, extra_routes: Callable[[FastAPI], None]
     async def completions(request: Request) -> Response:
         return await completion("text", request)
 
+    @app.post("/v1/generate")
+    async def generate(request: Request) -> Response:
+        """The native stream of the design: `{"delta", "index"}` events, then `event: done` with usage."""
+        body = await read_json(request)
+        _, upstream = await gateway.admit("chat", body)
+        relay = await gateway.start_relay(upstream, "chat", body, include_usage=True, native=True)
+        return gateway.sse(relay.request_id, 0)
+
     @app.get("/v1/requests/{request_id}/stream")
     async def resume(request_id: str, request: Request) -> Response:
         last = request.headers.get("last-event-id") or request.query_params.get("last_event_id") or "0"
@@ -182,6 +207,7 @@ def create_gateway_app(gateway: Gateway, extra_routes: Callable[[FastAPI], None]
         if not await gateway.buffer.exists(request_id):
             raise not_found(f"no stream {request_id!r} to resume (streams are kept for a few minutes)",
                             param="request_id")
+        gateway.metrics.resumes.inc()
         return gateway.sse(request_id, int(last))
 
     @app.post("/v1/requests/{request_id}/cancel")

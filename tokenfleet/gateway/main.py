@@ -8,13 +8,13 @@ from pathlib import Path
 
 import yaml
 from fastapi import FastAPI
-from fastapi.responses import Response
 
 from tokenfleet.api.http import configure_logging, run_http
 from tokenfleet.config import EngineConfig, engine_config_from_args
 from tokenfleet.engine.async_engine import AsyncEngine
 from tokenfleet.gateway.app import Gateway, ModelInfo, StreamSettings, create_gateway_app
 from tokenfleet.gateway.resume import MemoryResumeBuffer, RedisResumeBuffer
+from tokenfleet.gateway.safety import load_hook
 from tokenfleet.gateway.upstream import HttpUpstream, InProcessUpstream
 from tokenfleet.model.config import ModelConfig
 from tokenfleet.model.tokenizer import Tokenizer
@@ -38,6 +38,7 @@ class FleetConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     drain_timeout_s: float = 30.0
+    safety_hook: str | None = None  # package.module:function, see gateway/safety.py
     streams: StreamSettings = field(default_factory=StreamSettings)
 
     @classmethod
@@ -69,7 +70,7 @@ def serve_gateway(args: argparse.Namespace) -> None:
     config = FleetConfig.load(args.config)
     upstreams = [HttpUpstream(url) for url in config.replicas]
     gateway = Gateway(model_info(config.model_name, config.model_path), upstreams, resume_buffer(config),
-                      config.streams)
+                      config.streams, load_hook(config.safety_hook))
     log.info("gateway for %s over %d replica(s) on http://%s:%d", config.model_name, len(upstreams),
              config.host, config.port)
     run_http(create_gateway_app(gateway), config.host, config.port, config.drain_timeout_s)
@@ -86,11 +87,13 @@ def serve_embedded(args: argparse.Namespace) -> None:
     service = ReplicaService(engine, name)
     info = ModelInfo(name, engine.tokenizer, engine.engine.max_model_len)
     settings = StreamSettings(ping_interval_s=args.ping_interval, disconnect_grace_s=args.disconnect_grace)
-    gateway = Gateway(info, [InProcessUpstream(service)], MemoryResumeBuffer(), settings)
+    gateway = Gateway(info, [InProcessUpstream(service)], MemoryResumeBuffer(), settings,
+                      load_hook(args.safety_hook))
+
+    gateway.extra_metrics = service.metrics.render
 
     def replica_routes(app: FastAPI) -> None:
         app.get("/load")(lambda: load_report(engine.engine))
-        app.get("/metrics")(lambda: Response(service.metrics.render(), media_type="text/plain; version=0.0.4"))
 
     log.warning("serving %s on http://%s:%d with NO authentication (single-user embedded mode)", name, args.host,
                 args.port)

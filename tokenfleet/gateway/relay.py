@@ -4,23 +4,22 @@ client never blocks generation, and a reconnecting client resumes where it left 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from tokenfleet.api.errors import APIError
+from tokenfleet.gateway.formats import Event, NativeFormat, OpenAIFormat, is_usage
 from tokenfleet.gateway.resume import ResumeBuffer, StreamEvent
 
 log = logging.getLogger(__name__)
-DONE = "[DONE]"
 
 
 @dataclass(eq=False)
 class Relay:
     request_id: str
     buffer: ResumeBuffer
-    include_usage: bool  # whether the client asked for the usage chunk (the relay always records usage)
+    format: OpenAIFormat | NativeFormat
     disconnect_grace_s: float
     usage: dict | None = None
     last_id: int = 0
@@ -36,29 +35,27 @@ class Relay:
     async def _run(self, chunks: AsyncIterator[dict]) -> None:
         try:
             async for chunk in chunks:
-                chunk["id"] = self.request_id
-                if chunk.get("usage") and not chunk.get("choices"):
+                if is_usage(chunk):
                     self.usage = chunk["usage"]
-                    if not self.include_usage:
-                        continue
-                await self._emit(json.dumps(chunk))
+                await self._emit_all(self.format.chunk(chunk))
         except APIError as e:
-            await self._emit(json.dumps(e.body()))
+            await self._emit_all(self.format.error(e.body()))
         except asyncio.CancelledError:
             log.info("request %s cancelled", self.request_id)
         except Exception as e:  # the replica broke mid-stream: the client gets an error event, not a hang
             log.exception("relay %s failed", self.request_id)
-            await self._emit(json.dumps(APIError(502, f"generation failed: {e}", "server_error").body()))
+            await self._emit_all(self.format.error(APIError(502, f"generation failed: {e}", "server_error").body()))
         finally:
             await self._finish()
 
-    async def _emit(self, data: str) -> None:
-        self.last_id += 1
-        await self.buffer.append(self.request_id, StreamEvent(self.last_id, data))
+    async def _emit_all(self, events: list[Event]) -> None:
+        for data, name in events:
+            self.last_id += 1
+            await self.buffer.append(self.request_id, StreamEvent(self.last_id, data, name))
 
     async def _finish(self) -> None:
         try:
-            await self._emit(DONE)
+            await self._emit_all(self.format.end())
             await self.buffer.close(self.request_id)
         finally:
             self.finished.set()

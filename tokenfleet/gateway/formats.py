@@ -1,0 +1,57 @@
+"""How a relayed stream is written as events: OpenAI chunks (`/v1/*`) or the native format of the design
+document (`data: {"delta": ..., "index": i}` events, then `event: done` with usage). Resume replays the same."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+Event = tuple[str, str | None]  # (data, event name)
+
+
+@dataclass
+class OpenAIFormat:
+    request_id: str
+    include_usage: bool  # whether the client asked for the final usage chunk
+
+    def chunk(self, chunk: dict) -> list[Event]:
+        chunk["id"] = self.request_id
+        if is_usage(chunk) and not self.include_usage:
+            return []
+        return [(json.dumps(chunk), None)]
+
+    def end(self) -> list[Event]:
+        return [("[DONE]", None)]
+
+    def error(self, body: dict) -> list[Event]:
+        return [(json.dumps(body), None)]
+
+
+@dataclass
+class NativeFormat:
+    request_id: str
+
+    def chunk(self, chunk: dict) -> list[Event]:
+        if is_usage(chunk):
+            usage = chunk["usage"]
+            details = usage.get("prompt_tokens_details") or {}
+            return [(json.dumps({"id": self.request_id, "usage": {
+                "input_tokens": usage["prompt_tokens"], "cached_tokens": details.get("cached_tokens", 0),
+                "output_tokens": usage["completion_tokens"]}}), "done")]
+        events = []
+        for choice in chunk.get("choices", []):
+            delta = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+            event = {"delta": delta, "index": choice["index"]}
+            if choice.get("finish_reason"):
+                event["finish_reason"] = choice["finish_reason"]
+            events.append((json.dumps(event), None))
+        return events
+
+    def end(self) -> list[Event]:
+        return []
+
+    def error(self, body: dict) -> list[Event]:
+        return [(json.dumps(body), "error")]
+
+
+def is_usage(chunk: dict) -> bool:
+    return bool(chunk.get("usage")) and not chunk.get("choices")

@@ -48,3 +48,13 @@ def wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeout: floa
             pass
         time.sleep(0.2)
     raise RuntimeError(f"server not healthy after {timeout}s:\n{log_path.read_text()[-3000:]}")
+
+
+def wait_idle(base: str, timeout: float = 10.0) -> dict:
+    """Polls a server's /load until nothing runs or waits (or the timeout passes); returns the last report."""
+    deadline = time.monotonic() + timeout
+    while True:
+        load = httpx.get(f"{base}/load").json()
+        if (load["running"] == 0 and load["waiting"] == 0) or time.monotonic() > deadline:
+            return load
+        time.sleep(0.05)

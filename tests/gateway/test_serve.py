@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import openai
 import pytest
 
-from tests.servers import free_port, running_process
+from tests.servers import free_port, running_process, wait_idle
 
 MODEL = "tiny"
 
@@ -49,15 +48,6 @@ def parse_events(lines: list[str]) -> list[tuple[int | None, str]]:
 def text_of(events: list[tuple[int | None, str]]) -> str:
     chunks = [json.loads(data) for _, data in events if data != "[DONE]"]
     return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
-
-
-def wait_idle(base: str, timeout: float = 10.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        load = httpx.get(f"{base}/load").json()
-        if (load["running"] == 0 and load["waiting"] == 0) or time.monotonic() > deadline:
-            return load
-        time.sleep(0.05)
 
 
 def test_sdk_chat_and_completions(client):

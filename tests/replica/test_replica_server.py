@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import openai
 import pytest
 
-from tests.servers import free_port, running_process
+from tests.servers import free_port, running_process, wait_idle
 
 MODEL = "tiny"
 
@@ -26,15 +25,6 @@ def replica(demo_model_dir, tmp_path_factory):
 @pytest.fixture
 def client(replica):
     return openai.OpenAI(base_url=f"{replica}/v1", api_key="unused", max_retries=0)
-
-
-def wait_idle(base: str, timeout: float = 10.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        load = httpx.get(f"{base}/load").json()
-        if (load["running"] == 0 and load["waiting"] == 0) or time.monotonic() > deadline:
-            return load
-        time.sleep(0.05)
 
 
 def test_chat_non_streaming(client):

@@ -151,9 +151,16 @@ class Gateway:
 def create_gateway_app(gateway: Gateway, extra_routes: Callable[[FastAPI], None] | None = None) -> FastAPI:
     app = FastAPI(title="tokenfleet gateway", docs_url=None, redoc_url=None)
     app.state.gateway = gateway
-
     install_error_handler(app)
+    _add_service_routes(app, gateway)
+    _add_completion_routes(app, gateway)
+    _add_stream_routes(app, gateway)
+    if extra_routes is not None:
+        extra_routes(app)
+    return app
 
+
+def _add_service_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.middleware("http")
     async def count_requests(request: Request, call_next):
         response = await call_next(request)
@@ -175,6 +182,8 @@ def create_gateway_app(gateway: Gateway, extra_routes: Callable[[FastAPI], None]
         return {"object": "list", "data": [{"id": gateway.model.name, "object": "model", "created": 0,
                                             "owned_by": "tokenfleet", "max_model_len": gateway.model.max_model_len}]}
 
+
+def _add_completion_routes(app: FastAPI, gateway: Gateway) -> None:
     async def completion(kind: str, request: Request) -> Response:
         body = await read_json(request)
         req, upstream = await gateway.admit(kind, body)
@@ -199,6 +208,8 @@ def create_gateway_app(gateway: Gateway, extra_routes: Callable[[FastAPI], None]
         relay = await gateway.start_relay(upstream, "chat", body, include_usage=True, native=True)
         return gateway.sse(relay.request_id, 0)
 
+
+def _add_stream_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.get("/v1/requests/{request_id}/stream")
     async def resume(request_id: str, request: Request) -> Response:
         last = request.headers.get("last-event-id") or request.query_params.get("last_event_id") or "0"
@@ -213,7 +224,3 @@ def create_gateway_app(gateway: Gateway, extra_routes: Callable[[FastAPI], None]
     @app.post("/v1/requests/{request_id}/cancel")
     async def cancel(request_id: str) -> dict:
         return {"id": request_id, "object": "request.cancel", "cancelled": gateway.cancel(request_id)}
-
-    if extra_routes is not None:
-        extra_routes(app)
-    return app

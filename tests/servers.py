@@ -58,3 +58,13 @@ def wait_idle(base: str, timeout: float = 10.0) -> dict:
         if (load["running"] == 0 and load["waiting"] == 0) or time.monotonic() > deadline:
             return load
         time.sleep(0.05)
+
+
+def metric(base: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus metric's samples at `base`/metrics whose labels include `labels`."""
+    total = 0.0
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total

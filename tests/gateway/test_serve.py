@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from tests.servers import free_port, running_process, wait_idle
+from tests.servers import free_port, metric, running_process, wait_idle
 
 MODEL = "tiny"
 
@@ -107,6 +107,7 @@ def test_cancel_frees_the_replica(server):
         next(lines)
         cancelled = httpx.post(f"{server}/v1/requests/{request_id}/cancel").json()
         assert cancelled["cancelled"] is True
+        assert metric(server, "tokenfleet_gateway_cancels_total", reason="api") >= 1
         rest = parse_events(list(lines))
     assert rest[-1][1] == "[DONE]"
     load = wait_idle(server)
@@ -115,8 +116,10 @@ def test_cancel_frees_the_replica(server):
 
 
 def test_disconnect_cancels_after_the_grace_period(server, client):
+    abandoned = metric(server, "tokenfleet_gateway_cancels_total", reason="abandoned")
+    aborted = metric(server, "vllm:request_success_total", finished_reason="abort")
     stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Go"}],
-                                            max_tokens=450, temperature=0, stream=True,
+                                            max_tokens=480, temperature=0, stream=True,
                                             extra_body={"ignore_eos": True})
     for i, _ in enumerate(stream):
         if i == 2:
@@ -124,6 +127,8 @@ def test_disconnect_cancels_after_the_grace_period(server, client):
     stream.close()
     load = wait_idle(server)
     assert load["running"] == 0 and load["kv_usage"] == 0.0
+    assert metric(server, "tokenfleet_gateway_cancels_total", reason="abandoned") == abandoned + 1
+    assert metric(server, "vllm:request_success_total", finished_reason="abort") == aborted + 1
 
 
 def test_bad_input_and_unknown_streams(server, client):

@@ -103,6 +103,8 @@ class Gateway:
 
     def _relay_done(self, relay: Relay, upstream: Upstream) -> None:
         self.in_flight[upstream.name] -= 1
+        if relay.cancel_reason:
+            self.metrics.cancels.labels(relay.cancel_reason).inc()
         loop = asyncio.get_running_loop()
         loop.call_later(self.settings.disconnect_grace_s + 60, self.relays.pop, relay.request_id, None)
 
@@ -141,8 +143,7 @@ class Gateway:
         if relay is None:
             raise not_found(f"no request {request_id!r} (finished requests are kept for a few minutes)",
                             param="request_id")
-        self.metrics.cancels.inc()
-        return relay.cancel()
+        return relay.cancel("api")
 
     def render_metrics(self) -> bytes:
         return self.metrics.render() + (self.extra_metrics() if self.extra_metrics else b"")

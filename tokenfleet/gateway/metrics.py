@@ -13,7 +13,8 @@ class GatewayMetrics:
                                       ["how"], registry=self.registry)
         self.resumes = Counter("tokenfleet_gateway_resumes", "Streams resumed with Last-Event-ID.",
                                registry=self.registry)
-        self.cancels = Counter("tokenfleet_gateway_cancels", "Requests cancelled through the API.",
+        self.cancels = Counter("tokenfleet_gateway_cancels", "Generations stopped early: by the cancel API, or "
+                               "abandoned (the client left and did not resume in time).", ["reason"],
                                registry=self.registry)
         Gauge("tokenfleet_gateway_active_relays", "Generations being relayed now.",
               registry=self.registry).set_function(active_streams)

@@ -26,6 +26,7 @@ class Relay:
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     readers: int = 0
     task: asyncio.Task | None = None
+    cancel_reason: str | None = None  # "api" (POST cancel) or "abandoned" (no reader came back in time)
     _cancel_timer: asyncio.TimerHandle | None = None
 
     async def start(self, chunks: AsyncIterator[dict]) -> None:
@@ -60,9 +61,10 @@ class Relay:
         finally:
             self.finished.set()
 
-    def cancel(self) -> bool:
+    def cancel(self, reason: str = "api") -> bool:
         if self.finished.is_set() or self.task is None:
             return False
+        self.cancel_reason = reason
         self.task.cancel()
         return True
 
@@ -81,4 +83,4 @@ class Relay:
 
     def _cancel_if_abandoned(self) -> None:
         if self.readers == 0:
-            self.cancel()
+            self.cancel("abandoned")

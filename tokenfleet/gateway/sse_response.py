@@ -51,6 +51,7 @@ class SSEResponse(Response):
                                                  return_when=asyncio.FIRST_COMPLETED)
                     if disconnected in done:
                         upcoming.cancel()
+                        await asyncio.gather(upcoming, return_exceptions=True)  # let the generator unwind first
                         return "disconnect"
                     if upcoming in done:
                         break

@@ -41,7 +41,9 @@ class HttpUpstream:
                  read_timeout_s: float = 120.0) -> None:
         self.base_url, self.name = base_url.rstrip("/"), name or base_url
         timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
-        self.client = httpx.AsyncClient(base_url=self.base_url, timeout=timeout)
+        # one connection per in-flight stream: no pool cap, or streams beyond it would queue for a connection
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        self.client = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, limits=limits)
 
     async def stream(self, kind: str, body: dict) -> AsyncIterator[dict]:
         payload = {**body, "stream": True, "stream_options": {"include_usage": True}}

@@ -83,7 +83,11 @@ class ChoiceStream:
             if index % self.n == 0:  # count each prompt's cache hits once, like its prompt tokens
                 self.usage.cached_tokens += out.num_cached_tokens
 
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
     async def collect(self) -> list[RequestOutput]:
         async for _ in self:
             pass
-        return [self.finals[i] for i in range(len(self.prompts) * self.n)]
+        return [self.finals[i] for i in range(self.num_choices)]

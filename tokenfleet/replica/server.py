@@ -85,12 +85,14 @@ class ReplicaService:
     async def chunks(self, stream: ChoiceStream, renderer: Renderer, include_usage: bool) -> AsyncIterator[dict]:
         """The OpenAI chunk objects of a streamed response (without the closing [DONE])."""
         arrival, started = time.monotonic(), set()
-        async for index, out in stream:
-            yield renderer.chunk(index, out, first=index not in started)
-            started.add(index)
-        if include_usage:
-            yield renderer.usage_chunk(stream.usage)
-        self._observe(stream, arrival)
+        try:
+            async for index, out in stream:
+                yield renderer.chunk(index, out, first=index not in started)
+                started.add(index)
+            if include_usage:
+                yield renderer.usage_chunk(stream.usage)
+        finally:
+            self._observe(stream, arrival)
 
     async def events(self, stream: ChoiceStream, renderer: Renderer, include_usage: bool) -> AsyncIterator[str]:
         async for chunk in self.chunks(stream, renderer, include_usage):
@@ -99,14 +101,18 @@ class ReplicaService:
 
     async def respond(self, stream: ChoiceStream, renderer: Renderer) -> dict:
         arrival = time.monotonic()
-        finals = await stream.collect()
-        self._observe(stream, arrival)
+        try:
+            finals = await stream.collect()
+        finally:
+            self._observe(stream, arrival)
         return renderer.response(finals, stream.usage)
 
     def _observe(self, stream: ChoiceStream, arrival: float) -> None:
         for final in stream.finals.values():
             self.metrics.observe_request(arrival, stream.first_token_at, time.monotonic(), stream.gaps,
                                          len(final.prompt_token_ids), len(final.token_ids), final.finish_reason)
+        for _ in range(stream.num_choices - len(stream.finals)):  # the client left: those choices were aborted
+            self.metrics.finished.labels(**self.metrics.labels, finished_reason="abort").inc()
 
 
 def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:

@@ -127,7 +127,8 @@ def test_models_metrics_and_load(replica):
     metrics = httpx.get(f"{replica}/metrics").text
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-                 "vllm:time_to_first_token_seconds_bucket", "vllm:e2e_request_latency_seconds_count"):
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:e2e_request_latency_seconds_count",
+                 'tokenfleet:engine_step_seconds_total{model_name="tiny",phase="forward"}'):
         assert name in metrics, name
     load = httpx.get(f"{replica}/load").json()
     assert set(load) >= {"running", "waiting", "queued_prefill_tokens", "kv_usage"}

@@ -83,3 +83,13 @@ class _SchedulerCounters:
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+        yield self._step_time()
+
+    def _step_time(self) -> CounterMetricFamily:
+        """Where engine step time goes, so served-mode overheads show up next to the offline profile."""
+        stats = self.engine.stats
+        family = CounterMetricFamily("tokenfleet:engine_step_seconds", "Engine step time by phase.",
+                                     labels=["model_name", "phase"])
+        for phase in ("schedule", "prepare", "forward", "sample", "output"):
+            family.add_metric([self.model_name, phase], getattr(stats, f"{phase}_s"))
+        return family

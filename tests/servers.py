@@ -68,3 +68,14 @@ def metric(base: str, name: str, **labels: str) -> float:
             if all(f'{k}="{v}"' in line for k, v in labels.items()):
                 total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def abandon_stream(client, model: str, max_tokens: int, after_chunks: int = 3) -> None:
+    """Starts a long streamed chat completion with the openai SDK, reads a few chunks, then hangs up."""
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Go"}],
+                                            max_tokens=max_tokens, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i + 1 == after_chunks:
+            break
+    stream.close()

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from tests.servers import free_port, metric, running_process, wait_idle
+from tests.servers import abandon_stream, free_port, metric, running_process, wait_idle
 
 MODEL = "tiny"
 
@@ -17,7 +17,7 @@ def server(demo_model_dir, tmp_path_factory):
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     args = ["serve", "--model", str(demo_model_dir), "--port", str(port), "--served-model-name", MODEL,
-            "--kv-cache-gib", "0.05", "--max-model-len", "512", "--disconnect-grace", "0.5",
+            "--kv-cache-gib", "0.05", "--max-model-len", "2048", "--disconnect-grace", "0.5",
             "--safety-hook", "tests.gateway.hooks:refuse_forbidden"]
     with running_process(args, f"{base}/health", tmp_path_factory.mktemp("logs") / "serve.log"):
         yield base
@@ -118,13 +118,7 @@ def test_cancel_frees_the_replica(server):
 def test_disconnect_cancels_after_the_grace_period(server, client):
     abandoned = metric(server, "tokenfleet_gateway_cancels_total", reason="abandoned")
     aborted = metric(server, "vllm:request_success_total", finished_reason="abort")
-    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Go"}],
-                                            max_tokens=480, temperature=0, stream=True,
-                                            extra_body={"ignore_eos": True})
-    for i, _ in enumerate(stream):
-        if i == 2:
-            break
-    stream.close()
+    abandon_stream(client, MODEL, max_tokens=2000)  # seconds of work: far longer than the grace period
     load = wait_idle(server)
     assert load["running"] == 0 and load["kv_usage"] == 0.0
     assert metric(server, "tokenfleet_gateway_cancels_total", reason="abandoned") == abandoned + 1
@@ -133,7 +127,7 @@ def test_disconnect_cancels_after_the_grace_period(server, client):
 
 def test_bad_input_and_unknown_streams(server, client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=600)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2100)
     assert info.value.body["code"] == "context_length_exceeded"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])

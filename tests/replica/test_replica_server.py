@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from tests.servers import free_port, metric, running_process, wait_idle
+from tests.servers import abandon_stream, free_port, metric, running_process, wait_idle
 
 MODEL = "tiny"
 
@@ -71,13 +71,7 @@ def test_completions_n_stop_logprobs_and_token_prompts(client):
 
 def test_closing_a_stream_frees_the_replica(client, replica):
     aborted = metric(replica, "vllm:request_success_total", finished_reason="abort")
-    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Go"}],
-                                            max_tokens=400, temperature=0, stream=True,
-                                            extra_body={"ignore_eos": True})
-    for i, _ in enumerate(stream):
-        if i == 3:
-            break
-    stream.close()
+    abandon_stream(client, MODEL, max_tokens=400, after_chunks=4)
     load = wait_idle(replica)
     assert load["running"] == 0 and load["waiting"] == 0 and load["kv_usage"] == 0.0
     assert metric(replica, "vllm:request_success_total", finished_reason="abort") == aborted + 1

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from tokenfleet.api.errors import APIError, bad_request
+from tokenfleet.api.errors import bad_request
 from tokenfleet.engine.request import SamplingParams
 
 MAX_N = 128
@@ -145,5 +145,21 @@ def parse(model: type[BaseModel], body: object) -> BaseModel:
         raise bad_request(f"{param}: {message}" if param else message, param=param) from None
 
 
-def reject(status: int, message: str, param: str | None = None) -> APIError:
-    return APIError(status, message, param=param)
+def prompt_token_ids(req: ChatCompletionRequest | CompletionRequest, tokenizer) -> list[list[int]]:
+    """The request's prompts as token ids: the chat template rendered and encoded, or each text prompt encoded
+    (token-id prompts pass through). Used by the replica and by the gateway, which counts tokens up front."""
+    if isinstance(req, ChatCompletionRequest):
+        if tokenizer is None:
+            raise bad_request("this server has no tokenizer; use /v1/completions with token ids")
+        try:
+            return [tokenizer.encode_chat(req.template_messages(), add_generation_prompt=req.add_generation_prompt)]
+        except ValueError as e:  # e.g. the template's own raise_exception on an unsupported conversation
+            raise bad_request(str(e), param="messages") from e
+    prompts = []
+    for prompt in req.prompts():
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise bad_request("this server has no tokenizer; send the prompt as token ids", param="prompt")
+            prompt = tokenizer.encode(prompt)
+        prompts.append(prompt)
+    return prompts

@@ -43,7 +43,7 @@ class Renderer:
         else:
             choice["text"] = out.new_text
         if out.finished:
-            choice["finish_reason"] = finish_reason(out)
+            choice["finish_reason"] = out.finish_reason
         return self._envelope(self.object_name + ("" if self.kind == "text" else ".chunk"), [choice])
 
     def usage_chunk(self, usage: Usage) -> dict:
@@ -55,7 +55,7 @@ class Renderer:
         choices = []
         for index, out in enumerate(finals):
             choice: dict = {"index": index, "logprobs": self.logprobs(out.logprobs),
-                            "finish_reason": finish_reason(out)}
+                            "finish_reason": out.finish_reason}
             if self.kind == "chat":
                 choice["message"] = {"role": "assistant", "content": out.text}
             else:
@@ -86,8 +86,3 @@ class Renderer:
     def _envelope(self, object_name: str, choices: list[dict]) -> dict:
         return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model,
                 "choices": choices}
-
-
-def finish_reason(out: RequestOutput) -> str | None:
-    """OpenAI's finish reasons: stop and length; a cancelled or failed request reports what happened."""
-    return out.finish_reason

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenfleet.api.errors import bad_request, not_found
 from tokenfleet.api.http import install_error_handler, read_json, until_disconnect
-from tokenfleet.api.protocol import ChatCompletionRequest, CompletionRequest, parse
+from tokenfleet.api.protocol import ChatCompletionRequest, CompletionRequest, parse, prompt_token_ids
 from tokenfleet.api.sse import sse_event
 from tokenfleet.gateway.aggregate import aggregate
 from tokenfleet.gateway.formats import NativeFormat, OpenAIFormat
@@ -59,12 +59,10 @@ class Gateway:
         """Tokenizes the prompt(s) before anything reaches a replica, and checks them against the context window."""
         if req.model != self.model.name:
             raise not_found(f"The model `{req.model}` does not exist", param="model", code="model_not_found")
-        tokenizer = self.model.tokenizer
+        prompts = prompt_token_ids(req, self.model.tokenizer)
         if kind == "chat":
-            prompts = [tokenizer.encode_chat(req.template_messages(), add_generation_prompt=req.add_generation_prompt)]
             max_tokens, param = req.requested_max_tokens(), "messages"
         else:
-            prompts = [p if isinstance(p, list) else tokenizer.encode(p) for p in req.prompts()]
             max_tokens, param = req.max_tokens, "prompt"
         limit = self.model.max_model_len
         for prompt in prompts:

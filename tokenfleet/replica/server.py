@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenfleet.api.errors import bad_request, not_found
 from tokenfleet.api.http import install_error_handler, read_json, until_disconnect
-from tokenfleet.api.protocol import ChatCompletionRequest, CompletionRequest, parse
+from tokenfleet.api.protocol import ChatCompletionRequest, CompletionRequest, parse, prompt_token_ids
 from tokenfleet.api.render import Renderer
 from tokenfleet.api.sse import SSE_HEADERS, sse_event
 from tokenfleet.engine.async_engine import AsyncEngine
@@ -35,39 +35,21 @@ class ReplicaService:
         if kind == "chat":
             req = parse(ChatCompletionRequest, body)
             self.check_model(req.model)
-            stream, renderer = self.start("chat", [self.chat_prompt(req)], req, req.requested_max_tokens(),
-                                          req.requested_logprobs())
+            stream, renderer = self.start("chat", prompt_token_ids(req, self.engine.tokenizer), req,
+                                          req.requested_max_tokens(), req.requested_logprobs())
             return req, stream, renderer
         req = parse(CompletionRequest, body)
         self.check_model(req.model)
         if req.suffix:
             raise bad_request("suffix is not supported", param="suffix")
-        stream, renderer = self.start("text", self.text_prompts(req), req, req.max_tokens, req.logprobs)
+        stream, renderer = self.start("text", prompt_token_ids(req, self.engine.tokenizer), req, req.max_tokens,
+                                      req.logprobs)
         return req, stream, renderer
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
             raise not_found(f"The model `{model}` does not exist; this replica serves `{self.model_name}`",
                             param="model", code="model_not_found")
-
-    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None:
-            raise bad_request("this replica has no tokenizer; use /v1/completions with token ids")
-        try:
-            return tokenizer.encode_chat(req.template_messages(), add_generation_prompt=req.add_generation_prompt)
-        except ValueError as e:
-            raise bad_request(str(e), param="messages") from e
-
-    def text_prompts(self, req: CompletionRequest) -> list[list[int]]:
-        prompts = []
-        for prompt in req.prompts():
-            if isinstance(prompt, str):
-                if self.engine.tokenizer is None:
-                    raise bad_request("this replica has no tokenizer; send the prompt as token ids", param="prompt")
-                prompt = self.engine.tokenizer.encode(prompt)
-            prompts.append(prompt)
-        return prompts
 
     def start(self, kind: str, prompts: list[list[int]], req, max_tokens: int | None,
               logprobs: int | None) -> tuple[ChoiceStream, Renderer]:

@@ -1,11 +1,17 @@
-"""Typed configuration. Today: the engine's options (the same names as vLLM's engine arguments where they exist)."""
+"""Typed configuration: the engine's options (the same names as vLLM's engine arguments where they exist), and the
+fleet file (fleet.yaml) the gateway reads: model, replicas, streams, tenants' tiers, quotas, dispatch."""
 from __future__ import annotations
 
 import argparse
+import os
 import typing
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
 
 import torch
+import yaml
+
+from tokenfleet.quota.limits import Limits
 
 
 @dataclass
@@ -57,3 +63,94 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_required: bool =
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+
+
+# --- the fleet file --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StreamSettings:
+    ping_interval_s: float = 15.0
+    send_timeout_s: float = 10.0
+    max_lag_events: int = 2048  # a reader further behind than this is cut off (it can resume)
+    disconnect_grace_s: float = 5.0  # a dropped stream nobody resumes within this is cancelled
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """A service tier: its engine priority class (lower runs first and is preempted last, as in vLLM), its weight in
+    fair queuing, default limits per user and per organisation, and what to do when the quota store is down."""
+
+    priority: int
+    weight: int
+    user_limits: Limits = Limits()
+    org_limits: Limits = Limits()
+    on_quota_outage: str = "open"  # open: admit under a local in-memory limiter; closed: 503
+    typical_output_tokens: int = 256  # reserved for output when a request gives no max_tokens
+
+    def __post_init__(self) -> None:
+        if self.weight < 1:
+            raise ValueError(f"weight must be at least 1, got {self.weight}")
+        if self.on_quota_outage not in ("open", "closed"):
+            raise ValueError(f"on_quota_outage must be open or closed, got {self.on_quota_outage!r}")
+        if self.typical_output_tokens < 1:
+            raise ValueError(f"typical_output_tokens must be positive, got {self.typical_output_tokens}")
+
+
+def default_tiers() -> dict[str, TierConfig]:
+    return {
+        "enterprise": TierConfig(0, 8, Limits(6000, 2_000_000, 256), Limits(60_000, 20_000_000, 2048)),
+        "paid": TierConfig(0, 4, Limits(600, 200_000, 32), Limits(6000, 2_000_000, 256)),
+        "free": TierConfig(1, 2, Limits(20, 20_000, 4, 200_000), Limits(200, 200_000, 40, 2_000_000),
+                           on_quota_outage="closed"),
+        "batch": TierConfig(2, 1, Limits(60, 500_000, 64), Limits(600, 5_000_000, 512), on_quota_outage="closed"),
+    }
+
+
+def tiers_from_dict(raw: dict | None) -> dict[str, TierConfig]:
+    """`tiers:` in fleet.yaml; a tier named there replaces the default of that name, new names add tiers."""
+    tiers = default_tiers()
+    for name, spec in (raw or {}).items():
+        spec = dict(spec or {})
+        where = f"tiers.{name}"
+        user_limits = Limits.from_dict(spec.pop("user_limits", None), f"{where}.user_limits")
+        org_limits = Limits.from_dict(spec.pop("org_limits", None), f"{where}.org_limits")
+        try:
+            tiers[name] = TierConfig(user_limits=user_limits, org_limits=org_limits, **spec)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {e}") from None
+    return tiers
+
+
+@dataclass
+class FleetConfig:
+    """fleet.yaml: the model the gateway serves, its replicas, where streams are kept for resume, and tenancy."""
+
+    model_name: str
+    model_path: str  # checkpoint folder (the gateway reads its tokenizer and context window)
+    replicas: list[str] = field(default_factory=list)  # replica base URLs
+    redis_url: str | None = None  # resume buffer and quotas in Redis (fleet); in memory when absent
+    redis_prefix: str = "tokenfleet:stream:"
+    resume_ttl_s: int = 300
+    host: str = "127.0.0.1"
+    port: int = 8000
+    drain_timeout_s: float = 30.0
+    safety_hook: str | None = None  # package.module:function, see gateway/safety.py
+    streams: StreamSettings = field(default_factory=StreamSettings)
+    database_url: str | None = None  # tenants and keys: postgresql://… in a fleet, sqlite:///path embedded
+    admin_key: str | None = None  # guards /admin/v1/*; the TOKENFLEET_ADMIN_KEY environment variable wins
+    tiers: dict[str, TierConfig] = field(default_factory=default_tiers)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "FleetConfig":
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        streams = StreamSettings(**raw.pop("streams", {}) or {})
+        tiers = tiers_from_dict(raw.pop("tiers", None))
+        config = cls(**raw, streams=streams, tiers=tiers)
+        config.database_url = os.environ.get("TOKENFLEET_DATABASE_URL", config.database_url)
+        config.admin_key = os.environ.get("TOKENFLEET_ADMIN_KEY", config.admin_key)
+        return config

@@ -15,6 +15,7 @@ from tokenfleet.api.errors import bad_request, not_found
 from tokenfleet.api.http import install_error_handler, read_json, until_disconnect
 from tokenfleet.api.protocol import ChatCompletionRequest, CompletionRequest, parse, prompt_token_ids
 from tokenfleet.api.sse import sse_event
+from tokenfleet.config import StreamSettings
 from tokenfleet.gateway.aggregate import aggregate
 from tokenfleet.gateway.formats import NativeFormat, OpenAIFormat
 from tokenfleet.gateway.metrics import GatewayMetrics
@@ -26,14 +27,6 @@ from tokenfleet.gateway.upstream import Upstream
 from tokenfleet.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-@dataclass
-class StreamSettings:
-    ping_interval_s: float = 15.0
-    send_timeout_s: float = 10.0
-    max_lag_events: int = 2048  # a reader further behind than this is cut off (it can resume)
-    disconnect_grace_s: float = 5.0  # a dropped stream nobody resumes within this is cancelled
-
-
 @dataclass
 class ModelInfo:
     name: str

@@ -3,16 +3,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-import yaml
 from fastapi import FastAPI
 
 from tokenfleet.api.http import configure_logging, run_http
-from tokenfleet.config import EngineConfig, engine_config_from_args
+from tokenfleet.config import EngineConfig, FleetConfig, StreamSettings, engine_config_from_args
 from tokenfleet.engine.async_engine import AsyncEngine
-from tokenfleet.gateway.app import Gateway, ModelInfo, StreamSettings, create_gateway_app
+from tokenfleet.gateway.app import Gateway, ModelInfo, create_gateway_app
 from tokenfleet.gateway.resume import MemoryResumeBuffer, RedisResumeBuffer
 from tokenfleet.gateway.safety import load_hook
 from tokenfleet.gateway.upstream import HttpUpstream, InProcessUpstream
@@ -23,33 +21,6 @@ from tokenfleet.replica.server import ReplicaService
 
 log = logging.getLogger(__name__)
 DEMO_DIR = Path.home() / ".cache" / "tokenfleet" / "demo-model"
-
-
-@dataclass
-class FleetConfig:
-    """fleet.yaml: the model the gateway serves, its replicas, and where streams are kept for resume."""
-
-    model_name: str
-    model_path: str  # checkpoint folder (the gateway reads its tokenizer and context window)
-    replicas: list[str] = field(default_factory=list)  # replica base URLs
-    redis_url: str | None = None  # resume buffer in Redis (fleet); in memory when absent
-    redis_prefix: str = "tokenfleet:stream:"
-    resume_ttl_s: int = 300
-    host: str = "127.0.0.1"
-    port: int = 8000
-    drain_timeout_s: float = 30.0
-    safety_hook: str | None = None  # package.module:function, see gateway/safety.py
-    streams: StreamSettings = field(default_factory=StreamSettings)
-
-    @classmethod
-    def load(cls, path: str | Path) -> "FleetConfig":
-        raw = yaml.safe_load(Path(path).read_text()) or {}
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"{path}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        streams = StreamSettings(**raw.pop("streams", {}) or {})
-        return cls(**raw, streams=streams)
 
 
 def model_info(name: str, path: str, max_model_len: int | None = None) -> ModelInfo:

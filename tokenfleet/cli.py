@@ -83,11 +83,20 @@ def add_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--ping-interval", type=float, default=15.0, help="seconds between SSE heartbeats")
-    parser.add_argument("--disconnect-grace", type=float, default=5.0,
-                        help="seconds a dropped stream keeps generating, waiting for a resume, before it is cancelled")
+    parser.add_argument("--ping-interval", type=float, default=None, help="seconds between SSE heartbeats (15)")
+    parser.add_argument("--disconnect-grace", type=float, default=None,
+                        help="seconds a dropped stream keeps generating, waiting for a resume, before it is "
+                             "cancelled (5)")
+    parser.add_argument("--config", default=None,
+                        help="fleet.yaml whose streams, tiers, quota, dispatch and overload sections apply")
     parser.add_argument("--safety-hook", default=None,
                         help="package.module:function, an async check called on every request (default: allow all)")
+    parser.add_argument("--auth", action="store_true",
+                        help="require API keys (`tokenfleet keys create`), with their tiers and quotas; without it "
+                             "the server is open to one user with no limits")
+    parser.add_argument("--database-url", default=None,
+                        help="tenants and keys with --auth (default: $TOKENFLEET_DATABASE_URL, else SQLite under "
+                             "~/.local/share/tokenfleet)")
     add_drain_argument(parser)
 
 
@@ -109,6 +118,31 @@ def run_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_keys(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="keys_action", required=True, metavar="ACTION")
+    create = actions.add_parser("create", help="create an API key (and its organisation and user when new); "
+                                "the key is printed once")
+    create.add_argument("--org", required=True, help="organisation name or id (created when missing)")
+    create.add_argument("--user", required=True, help="user name in the organisation (created when missing)")
+    create.add_argument("--tier", default=None, help="tier of a new organisation (default: free)")
+    create.add_argument("--name", default="default", help="a label for the key (default: default)")
+    listing = actions.add_parser("list", help="list API keys (prefixes only, never the keys)")
+    listing.add_argument("--org", default=None, help="only this organisation's keys (name or id)")
+    revoke = actions.add_parser("revoke", help="revoke an API key; it stops working at once")
+    revoke.add_argument("key_id", help="the key's id (key_...), as shown by `tokenfleet keys list`")
+    for action in (create, listing, revoke):
+        action.add_argument("--database-url", default=None,
+                            help="sqlite:///path or postgresql://user@host/db (default: $TOKENFLEET_DATABASE_URL, "
+                                 "else database_url in --config, else ~/.local/share/tokenfleet/tokenfleet.db)")
+        action.add_argument("--config", default=None, help="fleet.yaml: its database_url and tiers")
+
+
+def run_keys(args: argparse.Namespace) -> int:
+    from tokenfleet.store.keys_command import run_keys_command
+
+    return run_keys_command(args)
+
+
 COMMANDS: list[Command] = [
     Command("serve", "gateway and one replica in one process (demo checkpoint without --model)", add_serve,
             run_serve),
@@ -117,6 +151,7 @@ COMMANDS: list[Command] = [
     Command("generate", "generate completions offline for a few prompts", add_generate, run_generate),
     Command("demo-model", "write a small random-weight Llama checkpoint (no download needed)",
             add_demo_model, run_demo_model),
+    Command("keys", "create, list and revoke API keys (runs database migrations first)", add_keys, run_keys),
 ]
 
 

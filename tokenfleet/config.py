@@ -5,13 +5,17 @@ from __future__ import annotations
 import argparse
 import os
 import typing
+from typing import TYPE_CHECKING
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
-import torch
 import yaml
 
+from tokenfleet.dispatch.overload import OverloadSettings
 from tokenfleet.quota.limits import Limits
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -39,7 +43,9 @@ class EngineConfig:
             raise TypeError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(model=model, **options)
 
-    def resolved_device(self) -> torch.device:
+    def resolved_device(self) -> "torch.device":
+        import torch  # here, so the gateway's configuration does not load PyTorch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
@@ -97,6 +103,54 @@ class TierConfig:
             raise ValueError(f"typical_output_tokens must be positive, got {self.typical_output_tokens}")
 
 
+@dataclass
+class QuotaSettings:
+    backend: str = "auto"  # redis | memory; auto: redis when the fleet has a redis_url
+    prefix: str = "tokenfleet:quota:"
+    timeout_s: float = 0.25  # a Redis call slower than this counts as an outage (see TierConfig.on_quota_outage)
+    retry_after_outage_s: float = 1.0  # after a failure, decide locally this long before trying Redis again
+    hot_tenants: dict[str, int] = field(default_factory=dict)  # organisation id -> sub-buckets (slices)
+    slice_index: int = 0  # which slice of a hot tenant's buckets this gateway draws from
+    rebalance_interval_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "redis", "memory"):
+            raise ValueError(f"backend must be auto, redis or memory, got {self.backend!r}")
+        if not self.timeout_s > 0 or not self.retry_after_outage_s >= 0 or not self.rebalance_interval_s > 0:
+            raise ValueError("timeout_s and rebalance_interval_s must be positive, retry_after_outage_s >= 0")
+        bad = {k: v for k, v in self.hot_tenants.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
+        if bad:
+            raise ValueError(f"hot_tenants: each tenant needs a whole number of slices >= 1, got {bad}")
+
+
+@dataclass
+class DispatchSettings:
+    slots_per_replica: int = 64  # requests a replica runs at once before the gateway queues by tier
+    quantum_tokens: int = 2048  # deficit round-robin quantum across tenants of a tier
+    load_interval_s: float = 1.0  # how often replica load reports are read
+    prefill_tokens_per_s: float = 4000.0  # one replica's prefill rate, to project time to first token
+
+    def __post_init__(self) -> None:
+        if self.slots_per_replica < 1 or self.quantum_tokens < 1:
+            raise ValueError("slots_per_replica and quantum_tokens must be at least 1")
+        if not self.load_interval_s > 0 or not self.prefill_tokens_per_s > 0:
+            raise ValueError("load_interval_s and prefill_tokens_per_s must be positive")
+
+
+def section(cls, raw: dict | None, where: str):
+    """A settings dataclass from its YAML mapping; unknown keys and bad values are start-up errors naming `where`."""
+    raw = dict(raw or {})
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    raw = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
+    try:
+        return cls(**raw)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
 def default_tiers() -> dict[str, TierConfig]:
     return {
         "enterprise": TierConfig(0, 8, Limits(6000, 2_000_000, 256), Limits(60_000, 20_000_000, 2048)),
@@ -126,8 +180,8 @@ def tiers_from_dict(raw: dict | None) -> dict[str, TierConfig]:
 class FleetConfig:
     """fleet.yaml: the model the gateway serves, its replicas, where streams are kept for resume, and tenancy."""
 
-    model_name: str
-    model_path: str  # checkpoint folder (the gateway reads its tokenizer and context window)
+    model_name: str = ""  # required by `tokenfleet gateway`; `tokenfleet serve` takes its model from flags
+    model_path: str = ""  # checkpoint folder (the gateway reads its tokenizer and context window)
     replicas: list[str] = field(default_factory=list)  # replica base URLs
     redis_url: str | None = None  # resume buffer and quotas in Redis (fleet); in memory when absent
     redis_prefix: str = "tokenfleet:stream:"
@@ -140,6 +194,10 @@ class FleetConfig:
     database_url: str | None = None  # tenants and keys: postgresql://… in a fleet, sqlite:///path embedded
     admin_key: str | None = None  # guards /admin/v1/*; the TOKENFLEET_ADMIN_KEY environment variable wins
     tiers: dict[str, TierConfig] = field(default_factory=default_tiers)
+    quota: QuotaSettings = field(default_factory=QuotaSettings)
+    dispatch: DispatchSettings = field(default_factory=DispatchSettings)
+    overload: OverloadSettings = field(default_factory=OverloadSettings)
+    resume_secret: str | None = None  # signs resume tokens; give every gateway of a fleet the same one
 
     @classmethod
     def load(cls, path: str | Path) -> "FleetConfig":
@@ -148,9 +206,16 @@ class FleetConfig:
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"{path}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        streams = StreamSettings(**raw.pop("streams", {}) or {})
+        sections = {name: section(kind, raw.pop(name, None), f"{path}: {name}") for name, kind in (
+            ("streams", StreamSettings), ("quota", QuotaSettings), ("dispatch", DispatchSettings),
+            ("overload", OverloadSettings))}
         tiers = tiers_from_dict(raw.pop("tiers", None))
-        config = cls(**raw, streams=streams, tiers=tiers)
+        config = cls(**raw, **sections, tiers=tiers)
         config.database_url = os.environ.get("TOKENFLEET_DATABASE_URL", config.database_url)
         config.admin_key = os.environ.get("TOKENFLEET_ADMIN_KEY", config.admin_key)
+        config.resume_secret = os.environ.get("TOKENFLEET_RESUME_SECRET", config.resume_secret)
+        for name in (*config.overload.batch_tiers, *config.overload.free_tiers):
+            if name not in config.tiers:
+                raise ValueError(f"{path}: overload names tier {name!r}, which is not among the tiers "
+                                 f"({', '.join(config.tiers)})")
         return config

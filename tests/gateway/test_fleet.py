@@ -4,57 +4,23 @@ from __future__ import annotations
 import json
 import signal
 import time
-import uuid
 
 import httpx
 import openai
-import pytest
 import redis
-import yaml
 
+from tests.gateway.conftest import MODEL, replica_args
 from tests.gateway.test_serve import parse_events, stream_body, text_of
 from tests.servers import free_port, running_process
 
-MODEL = "tiny"
-
-
-def replica_args(model_dir, port: int) -> list[str]:
-    return ["replica", "--model", str(model_dir), "--port", str(port), "--served-model-name", MODEL,
-            "--kv-cache-gib", "0.05", "--max-model-len", "512", "--drain-timeout", "20"]
-
-
-@pytest.fixture(scope="module")
-def fleet(demo_model_dir, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("fleet")
-    prefix = f"tokenfleet-test:{uuid.uuid4().hex}:"
-    ports = [free_port(), free_port()]
-    gateway_port = free_port()
-    config = {"model_name": MODEL, "model_path": str(demo_model_dir), "port": gateway_port,
-              "replicas": [f"http://127.0.0.1:{p}" for p in ports], "redis_url": "redis://127.0.0.1:6379/0",
-              "redis_prefix": prefix, "streams": {"disconnect_grace_s": 0.5}}
-    (logs / "fleet.yaml").write_text(yaml.safe_dump(config))
-    with running_process(replica_args(demo_model_dir, ports[0]), f"http://127.0.0.1:{ports[0]}/health",
-                         logs / "r0.log"), \
-            running_process(replica_args(demo_model_dir, ports[1]), f"http://127.0.0.1:{ports[1]}/health",
-                            logs / "r1.log"), \
-            running_process(["gateway", "--config", str(logs / "fleet.yaml")],
-                            f"http://127.0.0.1:{gateway_port}/health", logs / "gateway.log"):
-        yield {"gateway": f"http://127.0.0.1:{gateway_port}", "replicas": [f"http://127.0.0.1:{p}" for p in ports],
-               "prefix": prefix}
-    client = redis.Redis(host="127.0.0.1", port=6379)
-    keys = list(client.scan_iter(match=prefix + "*"))
-    if keys:
-        client.delete(*keys)
-
-
 def test_sdk_through_the_gateway_spreads_over_replicas(fleet):
-    client = openai.OpenAI(base_url=f"{fleet['gateway']}/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=f"{fleet.base}/v1", api_key=fleet.keys["paid"], max_retries=0)
     streams = [client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"Hi {i}"}],
                                               max_tokens=30, temperature=0, stream=True,
                                               extra_body={"ignore_eos": True}) for i in range(4)]
     texts = ["".join(c.choices[0].delta.content or "" for c in s if c.choices) for s in streams]
     assert all(texts)
-    served = [httpx.get(f"{r}/metrics").text for r in fleet["replicas"]]
+    served = [httpx.get(f"{r}/metrics").text for r in fleet.replicas]
     counts = [sum(float(line.split()[-1]) for line in m.splitlines()
                   if line.startswith("vllm:request_success_total")) for m in served]
     assert all(c >= 1 for c in counts), f"requests were not spread over the replicas: {counts}"
@@ -64,7 +30,8 @@ def test_sdk_through_the_gateway_spreads_over_replicas(fleet):
 
 
 def test_resume_from_redis(fleet):
-    with httpx.stream("POST", f"{fleet['gateway']}/v1/chat/completions", json=stream_body(60)) as response:
+    with httpx.stream("POST", f"{fleet.base}/v1/chat/completions", json=stream_body(60),
+                      headers=fleet.auth("paid")) as response:
         request_id = response.headers["x-request-id"]
         first = []
         for line in response.iter_lines():
@@ -72,9 +39,10 @@ def test_resume_from_redis(fleet):
             if len(parse_events(first)) == 2:
                 break
     seen = parse_events(first)
-    assert redis.Redis(host="127.0.0.1", port=6379).exists(fleet["prefix"] + request_id)
-    resumed = parse_events(httpx.get(f"{fleet['gateway']}/v1/requests/{request_id}/stream",
-                                     headers={"Last-Event-ID": str(seen[-1][0])}, timeout=30).text.splitlines())
+    assert redis.Redis(host="127.0.0.1", port=6379).exists(fleet.prefix + "stream:" + request_id)
+    resumed = parse_events(httpx.get(f"{fleet.base}/v1/requests/{request_id}/stream", timeout=30,
+                                     headers={"Last-Event-ID": str(seen[-1][0]), **fleet.auth("paid")}
+                                     ).text.splitlines())
     ids = [i for i, _ in seen + resumed]
     assert ids == list(range(1, len(ids) + 1)) and resumed[-1][1] == "[DONE]"
     chunks = [json.loads(d) for _, d in seen + resumed if d != "[DONE]"]

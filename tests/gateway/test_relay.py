@@ -4,11 +4,20 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from dataclasses import replace
 
 import pytest
 import redis.asyncio as redis
 
-from tokenfleet.gateway.app import Gateway, ModelInfo, StreamSettings
+from tokenfleet.api.errors import APIError
+from tokenfleet.config import StreamSettings, default_tiers
+from tokenfleet.dispatch.overload import OverloadLadder
+from tokenfleet.dispatch.queue import Dispatcher
+from tokenfleet.gateway.admission import Admission
+from tokenfleet.gateway.app import Gateway, ModelInfo
+from tokenfleet.gateway.auth import Authenticator, Caller
+from tokenfleet.gateway.formats import OpenAIFormat
+from tokenfleet.quota.memory import MemoryQuota
 from tokenfleet.gateway.resume import MemoryResumeBuffer, RedisResumeBuffer, StreamEvent
 from tokenfleet.gateway.sse_response import SSEResponse
 
@@ -49,14 +58,20 @@ async def run_response(response: SSEResponse, send_delay: float = 0.0) -> list[b
 
 
 def make_gateway(upstream, buffer=None, **settings) -> Gateway:
+    tiers = default_tiers()
+    admission = Admission(MemoryQuota(), Dispatcher(tiers, slots=8), OverloadLadder())
     return Gateway(ModelInfo("m", tokenizer=None, max_model_len=100), [upstream], buffer or MemoryResumeBuffer(),
-                   StreamSettings(**settings))
+                   admission, Authenticator(None, tiers), StreamSettings(**settings))
+
+
+async def start(gateway: Gateway, include_usage: bool = False):
+    return await gateway.start_relay(gateway.upstreams[0], "chat", {}, OpenAIFormat("r1", include_usage))
 
 
 def test_heartbeats_while_the_stream_is_idle():
     async def scenario():
         gateway = make_gateway(FakeUpstream(3, delay=0.25), ping_interval_s=0.05)
-        relay = await gateway.start_relay(gateway.upstreams[0], "chat", {}, False)
+        relay = await start(gateway)
         body = b"".join(await run_response(gateway.sse(relay.request_id, 0))).decode()
         assert body.count(": ping\n\n") >= 6
         assert body.rstrip().endswith("data: [DONE]")
@@ -66,7 +81,7 @@ def test_heartbeats_while_the_stream_is_idle():
 def test_slow_reader_is_cut_off_and_resumes_everything():
     async def scenario():
         gateway = make_gateway(FakeUpstream(60), max_lag_events=5)
-        relay = await gateway.start_relay(gateway.upstreams[0], "chat", {}, include_usage=True)
+        relay = await start(gateway, include_usage=True)
         endings = []
         response = gateway.sse(relay.request_id, 0)
         response.on_end = lambda how, inner=response.on_end: (endings.append(how), inner(how))
@@ -85,9 +100,14 @@ def test_slow_reader_is_cut_off_and_resumes_everything():
 def test_cancel_stops_generation_and_closes_the_stream():
     async def scenario():
         gateway = make_gateway(FakeUpstream(1000, delay=0.01))
-        relay = await gateway.start_relay(gateway.upstreams[0], "chat", {}, False)
+        relay = await start(gateway)
+        relay.owner = gateway.auth.open_caller.tenant
         await asyncio.sleep(0.05)
-        assert gateway.cancel(relay.request_id)
+        stranger = Caller(replace(gateway.auth.open_caller.principal, org_id="someone-else"), default_tiers()["paid"])
+        with pytest.raises(APIError) as refused:
+            gateway.cancel(relay.request_id, stranger)
+        assert refused.value.status == 404, "another tenant's request looks like no request at all"
+        assert gateway.cancel(relay.request_id, gateway.auth.open_caller)
         await relay.finished.wait()
         events = [e async for e in gateway.buffer.read(relay.request_id, 0)]
         assert events[-1].data == "[DONE]" and len(events) < 100
@@ -115,9 +135,10 @@ def test_buffers_replay_after_an_id_then_follow_live(backend, redis_buffer):
         client = redis.Redis(host="127.0.0.1", port=6379) if backend == "redis" else None
         buffer = (RedisResumeBuffer(client, redis_buffer, ttl_s=60, block_ms=50) if client
                   else MemoryResumeBuffer(ttl_s=60))
+        await buffer.open("r1", owner="org_a")
         for i in range(1, 4):
             await buffer.append("r1", StreamEvent(i, f"e{i}"))
-        assert await buffer.exists("r1") and not await buffer.exists("r2")
+        assert await buffer.owner("r1") == "org_a" and await buffer.owner("r2") is None
 
         async def produce_later():
             await asyncio.sleep(0.1)

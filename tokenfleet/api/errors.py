@@ -1,7 +1,7 @@
 """Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}} with a 4xx/5xx status."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -11,6 +11,7 @@ class APIError(Exception):
     type: str = "invalid_request_error"
     param: str | None = None
     code: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)  # e.g. retry-after and x-ratelimit-* on a 429
 
     def __str__(self) -> str:
         return self.message
@@ -33,3 +34,12 @@ def server_error(message: str) -> APIError:
 
 def unavailable(message: str) -> APIError:
     return APIError(503, message, "service_unavailable", code="service_unavailable")
+
+
+def unauthorized(message: str) -> APIError:
+    return APIError(401, message, "invalid_request_error", code="invalid_api_key")
+
+
+def rate_limited(message: str, headers: dict[str, str], code: str = "rate_limit_exceeded") -> APIError:
+    """OpenAI's 429: the SDK retries it by itself, waiting as long as retry-after(-ms) says."""
+    return APIError(429, message, "requests", code=code, headers=headers)

@@ -17,7 +17,7 @@ MAX_BODY_BYTES = 4 << 20
 def install_error_handler(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
 
 
 async def read_json(request: Request) -> object:

@@ -18,6 +18,7 @@ MAX_N = 128
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far on every chunk (the gateway meters cancels by it)
 
 
 class _SamplingFields(BaseModel):
@@ -57,6 +58,10 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         try:

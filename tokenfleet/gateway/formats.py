@@ -3,7 +3,9 @@ document (`data: {"delta": ..., "index": i}` events, then `event: done` with usa
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from tokenfleet.api.errors import APIError
 
 Event = tuple[str, str | None]  # (data, event name)
 
@@ -12,18 +14,22 @@ Event = tuple[str, str | None]  # (data, event name)
 class OpenAIFormat:
     request_id: str
     include_usage: bool  # whether the client asked for the final usage chunk
+    continuous_usage: bool = False  # ... and for usage on every chunk
 
     def chunk(self, chunk: dict) -> list[Event]:
         chunk["id"] = self.request_id
-        if is_usage(chunk) and not self.include_usage:
-            return []
+        if is_usage(chunk):
+            if not self.include_usage:
+                return []
+        elif not self.continuous_usage:
+            chunk.pop("usage", None)
         return [(json.dumps(chunk), None)]
 
     def end(self) -> list[Event]:
         return [("[DONE]", None)]
 
-    def error(self, body: dict) -> list[Event]:
-        return [(json.dumps(body), None)]
+    def error(self, error: APIError) -> list[Event]:
+        return [(json.dumps(error.body()), None)]
 
 
 @dataclass
@@ -49,9 +55,32 @@ class NativeFormat:
     def end(self) -> list[Event]:
         return []
 
-    def error(self, body: dict) -> list[Event]:
-        return [(json.dumps(body), "error")]
+    def error(self, error: APIError) -> list[Event]:
+        return [(json.dumps(error.body()), "error")]
+
+
+@dataclass
+class CollectFormat:
+    """A non-streamed request: keeps the chunks for one aggregated response and writes no events."""
+
+    request_id: str
+    chunks: list[dict] = field(default_factory=list)
+    failure: APIError | None = None
+
+    def chunk(self, chunk: dict) -> list[Event]:
+        self.chunks.append(chunk)
+        return []
+
+    def end(self) -> list[Event]:
+        return []
+
+    def error(self, error: APIError) -> list[Event]:
+        self.failure = error
+        return []
 
 
 def is_usage(chunk: dict) -> bool:
     return bool(chunk.get("usage")) and not chunk.get("choices")
+
+
+EventFormat = OpenAIFormat | NativeFormat | CollectFormat

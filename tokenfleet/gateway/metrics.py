@@ -1,11 +1,18 @@
-"""The gateway's own Prometheus metrics (requests, streams, resumes, cancels)."""
+"""The gateway's own Prometheus metrics: requests, streams, resumes, cancels, and admission (quota refusals,
+the dispatcher's queues by tier, the overload level and what it shed)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from tokenfleet.gateway.admission import Admission
 
 
 class GatewayMetrics:
-    def __init__(self, active_streams) -> None:
+    def __init__(self, active_streams, admission: "Admission") -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("tokenfleet_gateway_requests", "Requests by endpoint and status.",
                                 ["endpoint", "status"], registry=self.registry)
@@ -18,6 +25,67 @@ class GatewayMetrics:
                                registry=self.registry)
         Gauge("tokenfleet_gateway_active_relays", "Generations being relayed now.",
               registry=self.registry).set_function(active_streams)
+        self.registry.register(AdmissionCollector(admission))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class AdmissionCollector:
+    """Reads the admission state at scrape time, so the numbers are never stale and cost nothing between scrapes."""
+
+    def __init__(self, admission: "Admission") -> None:
+        self.admission = admission
+
+    def collect(self):
+        a = self.admission
+        snapshot = a.dispatcher.snapshot()
+        yield _gauge("tokenfleet_overload_level", "Degradation ladder step: 0 normal, 1 batch paused, 2 free capped "
+                     "and moved to the smaller model, 3 free shed, 4 paid queueing.", {(): a.ladder.level})
+        yield _gauge("tokenfleet_projected_ttft_seconds", "Projected time to first token of a new request.",
+                     {(): a.ladder.projected_ttft_s})
+        yield _gauge("tokenfleet_dispatch_slots", "Room in the pool, and how much of it is in use.",
+                     {("total",): snapshot.slots, ("in_use",): snapshot.in_use}, ["state"])
+        tiers = snapshot.tiers
+        yield _gauge("tokenfleet_dispatch_queued_requests", "Requests waiting for room, by tier.",
+                     {(t,): s.queued for t, s in tiers.items()}, ["tier"])
+        yield _gauge("tokenfleet_dispatch_queued_tokens", "Tokens waiting for room, by tier.",
+                     {(t,): s.queued_tokens for t, s in tiers.items()}, ["tier"])
+        yield _gauge("tokenfleet_dispatch_tier_paused", "1 when the ladder paused the tier.",
+                     {(t,): int(s.paused) for t, s in tiers.items()}, ["tier"])
+        yield _counter("tokenfleet_dispatch_wait_seconds", "Time dispatched requests waited for room, by tier.",
+                       {(t,): s.wait_s_total for t, s in tiers.items()}, ["tier"])
+        yield _counter("tokenfleet_dispatch_tokens", "Tokens dispatched to replicas, by tier.",
+                       {(t,): s.dispatched_tokens for t, s in tiers.items()}, ["tier"])
+        yield _counter("tokenfleet_quota_refusals", "Requests refused by a quota, by tier and dimension.",
+                       dict(a.refusals), ["tier", "reason"])
+        yield _counter("tokenfleet_overload_shed", "New requests shed by the overload ladder, by tier.",
+                       dict(a.shed), ["tier"])
+        yield from _quota_store_metrics(a.quota)
+
+
+def _quota_store_metrics(quota):
+    """Outage counters of a quota kept in Redis with a local fallback (absent when quotas are in memory)."""
+    if not hasattr(quota, "outages"):
+        return
+    yield _counter("tokenfleet_quota_outages", "Times the quota store became unreachable.", {(): quota.outages}, [])
+    yield _counter("tokenfleet_quota_fallback_decisions", "Quota decisions made by the local limiter during an "
+                   "outage (tiers that fail open).", {(): quota.fallback_decisions}, [])
+    yield _counter("tokenfleet_quota_unavailable", "Requests answered 503 during an outage (tiers that fail "
+                   "closed).", {(): quota.unavailable}, [])
+    yield _gauge("tokenfleet_quota_pending_reconciles", "Reconciliations waiting for the quota store to return.",
+                 {(): quota.pending_reconciles})
+
+
+def _gauge(name: str, doc: str, values: dict, labels: list[str] | None = None) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=labels or [])
+    for label_values, value in values.items():
+        family.add_metric(list(label_values), value)
+    return family
+
+
+def _counter(name: str, doc: str, values: dict, labels: list[str]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=labels)
+    for label_values, value in values.items():
+        family.add_metric(list(label_values), value)
+    return family

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from tokenfleet.api.errors import APIError
-from tokenfleet.gateway.formats import Event, NativeFormat, OpenAIFormat, is_usage
+from tokenfleet.gateway.formats import Event, EventFormat
 from tokenfleet.gateway.resume import ResumeBuffer, StreamEvent
 
 log = logging.getLogger(__name__)
@@ -19,8 +19,10 @@ log = logging.getLogger(__name__)
 class Relay:
     request_id: str
     buffer: ResumeBuffer
-    format: OpenAIFormat | NativeFormat
+    format: EventFormat
     disconnect_grace_s: float
+    owner: str = ""  # the tenant (organisation) the request belongs to
+    rate_limit_headers: dict[str, str] | None = None  # x-ratelimit-* from the quota decision
     usage: dict | None = None
     last_id: int = 0
     finished: asyncio.Event = field(default_factory=asyncio.Event)
@@ -30,22 +32,22 @@ class Relay:
     _cancel_timer: asyncio.TimerHandle | None = None
 
     async def start(self, chunks: AsyncIterator[dict]) -> None:
-        await self.buffer.open(self.request_id)
+        await self.buffer.open(self.request_id, self.owner)
         self.task = asyncio.create_task(self._run(chunks), name=f"relay-{self.request_id}")
 
     async def _run(self, chunks: AsyncIterator[dict]) -> None:
         try:
             async for chunk in chunks:
-                if is_usage(chunk):
-                    self.usage = chunk["usage"]
+                if chunk.get("usage"):
+                    self.usage = chunk["usage"]  # the final count, or the count so far if it gets cancelled
                 await self._emit_all(self.format.chunk(chunk))
         except APIError as e:
-            await self._emit_all(self.format.error(e.body()))
+            await self._emit_all(self.format.error(e))
         except asyncio.CancelledError:
             log.info("request %s cancelled", self.request_id)
         except Exception as e:  # the replica broke mid-stream: the client gets an error event, not a hang
             log.exception("relay %s failed", self.request_id)
-            await self._emit_all(self.format.error(APIError(502, f"generation failed: {e}", "server_error").body()))
+            await self._emit_all(self.format.error(APIError(502, f"generation failed: {e}", "server_error")))
         finally:
             await self._finish()
 

@@ -17,15 +17,17 @@ class StreamEvent:
 
 
 class ResumeBuffer(Protocol):
-    async def open(self, request_id: str) -> None:
-        """Creates the stream before its first event, so a reader arriving early waits instead of ending."""
+    async def open(self, request_id: str, owner: str = "") -> None:
+        """Creates the stream before its first event, so a reader arriving early waits instead of ending.
+        `owner` is the tenant the stream belongs to: only it may resume the stream."""
 
     async def append(self, request_id: str, event: StreamEvent) -> None: ...
 
     async def close(self, request_id: str) -> None:
         """Marks the stream complete: readers stop after its last event."""
 
-    async def exists(self, request_id: str) -> bool: ...
+    async def owner(self, request_id: str) -> str | None:
+        """The stream's owner, or None when there is no such stream (never existed, or expired)."""
 
     def read(self, request_id: str, after: int) -> AsyncIterator[StreamEvent]:
         """Events with id > after, then live ones until the stream is closed."""
@@ -35,6 +37,7 @@ class ResumeBuffer(Protocol):
 class _Log:
     events: list[StreamEvent] = field(default_factory=list)
     closed: bool = False
+    owner: str = ""
     expires_at: float = 0.0
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -44,8 +47,10 @@ class MemoryResumeBuffer:
         self.ttl_s, self.max_events = ttl_s, max_events
         self._logs: dict[str, _Log] = {}
 
-    async def open(self, request_id: str) -> None:
-        self._touch(self._log(request_id))
+    async def open(self, request_id: str, owner: str = "") -> None:
+        log = self._log(request_id)
+        log.owner = owner
+        self._touch(log)
 
     async def append(self, request_id: str, event: StreamEvent) -> None:
         log = self._log(request_id)
@@ -58,9 +63,10 @@ class MemoryResumeBuffer:
         log.closed = True
         self._touch(log)
 
-    async def exists(self, request_id: str) -> bool:
+    async def owner(self, request_id: str) -> str | None:
         self._expire()
-        return request_id in self._logs
+        log = self._logs.get(request_id)
+        return None if log is None else log.owner
 
     async def read(self, request_id: str, after: int) -> AsyncIterator[StreamEvent]:
         log = self._logs.get(request_id)
@@ -69,8 +75,10 @@ class MemoryResumeBuffer:
         position = next((i for i, e in enumerate(log.events) if e.id > after), len(log.events))
         while True:
             while position < len(log.events):
-                yield log.events[position]
+                event = log.events[position]
                 position += 1
+                if event.id > after:  # a reader may ask for an id the stream has not reached yet
+                    yield event
             if log.closed:
                 return
             log.changed.clear()
@@ -106,8 +114,8 @@ class RedisResumeBuffer:
     def _key(self, request_id: str) -> str:
         return self.prefix + request_id
 
-    async def open(self, request_id: str) -> None:
-        await self._add(request_id, {self.OPEN: 1})
+    async def open(self, request_id: str, owner: str = "") -> None:
+        await self._add(request_id, {self.OPEN: owner})
 
     async def append(self, request_id: str, event: StreamEvent) -> None:
         fields = {"id": event.id, "data": event.data}
@@ -125,8 +133,12 @@ class RedisResumeBuffer:
             pipe.expire(key, self.ttl_s)
             await pipe.execute()
 
-    async def exists(self, request_id: str) -> bool:
-        return bool(await self.redis.exists(self._key(request_id)))
+    async def owner(self, request_id: str) -> str | None:
+        first = await self.redis.xrange(self._key(request_id), count=1)
+        if not first:
+            return None
+        fields = {_text(k): _text(v) for k, v in first[0][1].items()}
+        return fields.get(self.OPEN, "")
 
     async def read(self, request_id: str, after: int) -> AsyncIterator[StreamEvent]:
         key, cursor = self._key(request_id), "0-0"

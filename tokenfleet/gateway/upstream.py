@@ -29,7 +29,7 @@ class InProcessUpstream:
 
     async def stream(self, kind: str, body: dict) -> AsyncIterator[dict]:
         _, stream, renderer = self.service.open(kind, {**body, "stream": True})
-        async for chunk in self.service.chunks(stream, renderer, include_usage=True):
+        async for chunk in self.service.chunks(stream, renderer, include_usage=True, continuous_usage=True):
             yield chunk
 
     async def load(self) -> dict:
@@ -46,7 +46,8 @@ class HttpUpstream:
         self.client = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, limits=limits)
 
     async def stream(self, kind: str, body: dict) -> AsyncIterator[dict]:
-        payload = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        # usage on every chunk, so a cancelled request is metered by what it generated
+        payload = {**body, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
         try:
             async with self.client.stream("POST", PATHS[kind], json=payload) as response:
                 if response.status_code != 200:

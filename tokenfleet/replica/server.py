@@ -64,20 +64,25 @@ class ReplicaService:
         stream = ChoiceStream(self.engine, request_id, prompts, params, req.n, req.priority)
         return stream, Renderer(kind, request_id, req.model, self.engine.tokenizer)
 
-    async def chunks(self, stream: ChoiceStream, renderer: Renderer, include_usage: bool) -> AsyncIterator[dict]:
+    async def chunks(self, stream: ChoiceStream, renderer: Renderer, include_usage: bool,
+                     continuous_usage: bool = False) -> AsyncIterator[dict]:
         """The OpenAI chunk objects of a streamed response (without the closing [DONE])."""
         arrival, started = time.monotonic(), set()
         try:
             async for index, out in stream:
-                yield renderer.chunk(index, out, first=index not in started)
+                chunk = renderer.chunk(index, out, first=index not in started)
+                if continuous_usage:
+                    chunk["usage"] = stream.usage.as_dict()
+                yield chunk
                 started.add(index)
             if include_usage:
                 yield renderer.usage_chunk(stream.usage)
         finally:
             self._observe(stream, arrival)
 
-    async def events(self, stream: ChoiceStream, renderer: Renderer, include_usage: bool) -> AsyncIterator[str]:
-        async for chunk in self.chunks(stream, renderer, include_usage):
+    async def events(self, stream: ChoiceStream, renderer: Renderer, include_usage: bool,
+                     continuous_usage: bool = False) -> AsyncIterator[str]:
+        async for chunk in self.chunks(stream, renderer, include_usage, continuous_usage):
             yield sse_event(json.dumps(chunk))
         yield sse_event("[DONE]")
 
@@ -124,20 +129,21 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         req, stream, renderer = service.open("chat", await read_json(request))
-        return await reply(request, service, stream, renderer, req.stream, req.include_usage)
+        return await reply(request, service, stream, renderer, req)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req, stream, renderer = service.open("text", await read_json(request))
-        return await reply(request, service, stream, renderer, req.stream, req.include_usage)
+        return await reply(request, service, stream, renderer, req)
 
     return app
 
 
 async def reply(request: Request, service: ReplicaService, stream: ChoiceStream, renderer: Renderer,
-                streaming: bool, include_usage: bool) -> Response:
-    if streaming:
-        return StreamingResponse(service.events(stream, renderer, include_usage), media_type="text/event-stream",
+                req: ChatCompletionRequest | CompletionRequest) -> Response:
+    if req.stream:
+        events = service.events(stream, renderer, req.include_usage, req.continuous_usage)
+        return StreamingResponse(events, media_type="text/event-stream",
                                  headers={**SSE_HEADERS, "x-request-id": renderer.request_id})
     body = await until_disconnect(request, service.respond(stream, renderer))
     return JSONResponse(body, headers={"x-request-id": renderer.request_id})

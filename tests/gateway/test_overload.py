@@ -1,0 +1,92 @@
+"""The degradation ladder under a synthetic overload, end to end: one slot, a slow projected prefill rate, paid
+streams queueing up. The ladder climbs one step at a time in the fixed order (batch paused, free capped, free
+shed, paid queued), the openai SDK gets 429s it retries, and everything steps back down when the load is gone."""
+from __future__ import annotations
+
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import yaml
+
+from tests.gateway.conftest import ADMIN_KEY, MODEL, Platform
+from tests.servers import free_port, metric, running_process
+
+OVERLOAD = {"admin_key": ADMIN_KEY,
+            "dispatch": {"slots_per_replica": 1, "load_interval_s": 0.1, "prefill_tokens_per_s": 100},
+            "overload": {"ttft_target_s": 1.0, "cool_down_s": 0.3, "shed_retry_after_s": 1, "free_max_tokens": 8}}
+
+
+@pytest.fixture(scope="module")
+def crowded(demo_model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("overload")
+    (logs / "fleet.yaml").write_text(yaml.safe_dump(OVERLOAD))
+    port = free_port()
+    args = ["serve", "--model", str(demo_model_dir), "--port", str(port), "--served-model-name", MODEL,
+            "--kv-cache-gib", "0.05", "--max-model-len", "512", "--auth", "--config", str(logs / "fleet.yaml"),
+            "--database-url", f"sqlite:///{logs / 'tenants.db'}"]
+    with running_process(args, f"http://127.0.0.1:{port}/health", logs / "serve.log"):
+        platform = Platform(f"http://127.0.0.1:{port}", "embedded", logs / "serve.log")
+        platform.keys = {tier: platform.new_key(f"{tier}-org", "u", tier) for tier in ("paid", "free", "batch")}
+        yield platform
+
+
+def client(platform: Platform, tier: str, retries: int = 0) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{platform.base}/v1", api_key=platform.keys[tier], max_retries=retries,
+                         timeout=120)
+
+
+def ask(c: openai.OpenAI, max_tokens: int):
+    return c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Go on"}],
+                                     max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})
+
+
+def wait_for_level(platform: Platform, level: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while metric(platform.base, "tokenfleet_overload_level") != level:
+        assert time.monotonic() < deadline, f"overload level never reached {level}"
+        time.sleep(0.05)
+
+
+def test_the_ladder_fires_in_order_and_recovers(crowded):
+    pool = ThreadPoolExecutor(8)
+    paid = [pool.submit(ask, client(crowded, "paid"), 120) for _ in range(5)]
+    wait_for_level(crowded, 4)
+    with pytest.raises(openai.RateLimitError) as shed:
+        ask(client(crowded, "free"), 4)
+    assert shed.value.response.headers["retry-after"] == "1"
+    assert shed.value.body["code"] == "high_demand"
+    batch = pool.submit(ask, client(crowded, "batch"), 4)  # queued: the batch tier is paused
+    time.sleep(0.3)
+    assert not batch.done() and metric(crowded.base, "tokenfleet_dispatch_tier_paused", tier="batch") == 1
+    free = pool.submit(ask, client(crowded, "free", retries=30), 50)  # the SDK retries the 429s by itself
+    assert all(f.result(timeout=120).usage.completion_tokens == 120 for f in paid), "paid is never shed"
+    assert free.result(timeout=120).usage.completion_tokens in (8, 50), "free capped at level 2, or served whole"
+    assert batch.result(timeout=120).usage.completion_tokens == 4, "batch runs once the pause lifts"
+    wait_for_level(crowded, 0)
+    assert metric(crowded.base, "tokenfleet_overload_shed_total", tier="free") >= 2
+    assert metric(crowded.base, "tokenfleet_overload_shed_total", tier="paid") == 0
+    moves = [tuple(map(int, m)) for m in re.findall(r"overload level (\d) -> (\d)", crowded.log.read_text())]
+    climb = moves[:4]
+    assert climb == [(0, 1), (1, 2), (2, 3), (3, 4)], moves
+    assert all(abs(a - b) == 1 for a, b in moves), "one step at a time"
+    assert moves[-1][1] == 0
+    pool.shutdown()
+
+
+def test_paid_requests_keep_their_place_while_free_ones_are_shed(crowded):
+    """Even at the top of the ladder a paid request is only queued, never refused."""
+    done = threading.Event()
+
+    def load():
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda _: ask(client(crowded, "paid"), 100), range(4)))
+        done.set()
+
+    threading.Thread(target=load).start()
+    wait_for_level(crowded, 4)
+    assert ask(client(crowded, "paid"), 3).usage.completion_tokens == 3
+    done.wait(120)

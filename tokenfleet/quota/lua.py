@@ -1,0 +1,187 @@
+"""The Redis scripts. Each reserve and each reconcile is one script call, so a decision over every scope and
+dimension is atomic. Time comes from Redis (TIME), not from the gateways: many gateways share the buckets and
+their clocks disagree; one server clock per shard keeps refill exact and the UTC day the same for everyone.
+
+Per scope two keys: a hash (r, t: the requests and tokens bucket levels; a: the share-integral when they were
+written, which is the time itself unless the tenant is sliced, see slices.py; day, used: the daily budget of the
+current UTC day) and a zset of concurrency leases (request id -> lease expiry). A day's counter matters only on
+that day, so one (day, used) pair is all the daily budget needs; a reconcile for a past day leaves it alone.
+A hash expires once it would read the same as an absent one (buckets full again, the day's usage over).
+
+Limits travel as one argument per scope, "rpm tpm conc tpd" (-1: unlimited); the reply is one string of numbers
+("-": unlimited), printed with 17 digits so Python reads back exactly the doubles the script decided on and
+explains a refusal from the same values. (One string instead of an array: the pure-Python reply parser costs more
+per element than the script does.)
+"""
+from __future__ import annotations
+
+# Calling TIME before writing needs effects replication: the default since Redis 5.
+PRELUDE = r"""
+local DAY = 86400
+local function clock()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local function num(x)
+  if x == '-' then return x end
+  return string.format('%.17g', x)
+end
+local function limits_of(s)
+  local t = {}
+  for x in string.gmatch(s, '%S+') do t[#t + 1] = tonumber(x) end
+  return t
+end
+-- s: the slice's share of capacity and rate; a: integral of s over time (share-seconds). Not sliced: s = 1, a = now.
+local function share_of(key, now, s0, write)
+  if key == nil then return 1, now end
+  local h = redis.call('HMGET', key, 's', 'acc', 'since')
+  if not h[1] then
+    if write then redis.call('HSET', key, 's', num(s0), 'acc', '0', 'since', num(now)) end
+    return s0, 0
+  end
+  local s = tonumber(h[1])
+  return s, tonumber(h[2]) + s * (now - tonumber(h[3]))
+end
+local function refill(stored, limit, s, elapsed)
+  if not stored then return limit * s end  -- absent: full
+  return math.min(limit * s, tonumber(stored) + elapsed * limit / 60)
+end
+-- {r, t, used}: the buckets refilled to now and today's usage ('-' where unlimited)
+local function read_scope(key, lim, s, a, day)
+  local h = redis.call('HMGET', key, 'r', 't', 'a', 'day', 'used')
+  local elapsed = 0
+  if h[3] then elapsed = math.max(0, a - tonumber(h[3])) end
+  local st = {'-', '-', '-'}
+  if lim[1] >= 0 then st[1] = refill(h[1], lim[1], s, elapsed) end
+  if lim[2] >= 0 then st[2] = refill(h[2], lim[2], s, elapsed) end
+  if lim[4] >= 0 then
+    st[3] = 0
+    if tonumber(h[4]) == day then st[3] = tonumber(h[5]) end
+  end
+  return st
+end
+local function write_scope(key, lim, st, s, a, now, day)
+  local fields, idle = {'a', num(a)}, 0
+  for j = 1, 2 do
+    if lim[j] > 0 then
+      fields[#fields + 1] = (j == 1) and 'r' or 't'
+      fields[#fields + 1] = num(st[j])
+      idle = math.max(idle, (lim[j] * s - st[j]) / (lim[j] / 60 * s))
+    end
+  end
+  if lim[4] >= 0 then
+    fields[#fields + 1] = 'day'; fields[#fields + 1] = day
+    fields[#fields + 1] = 'used'; fields[#fields + 1] = st[3]
+    if st[3] > 0 then idle = math.max(idle, (day + 1) * DAY - now) end
+  end
+  redis.call('HSET', key, unpack(fields))
+  redis.call('PEXPIRE', key, math.ceil((math.min(idle, 2 * DAY) + 60) * 1000))
+end
+"""
+
+# KEYS: per scope its hash and its lease zset; then the share hash when sliced.
+# ARGV: request_id, tokens, lease_s, n_scopes, initial share (0: not sliced), then per scope "rpm tpm conc tpd".
+# Returns "allowed now day share" then per scope "requests tokens live used" as seen before charging.
+RESERVE = PRELUDE + r"""
+local request_id, tokens, lease = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local n, s0 = tonumber(ARGV[4]), tonumber(ARGV[5])
+local now = clock()
+local day = math.floor(now / DAY)
+local share_key = nil
+if s0 > 0 then share_key = KEYS[2 * n + 1] end
+local s, a = share_of(share_key, now, s0, true)
+if share_key then
+  redis.call('HINCRBY', share_key, 'demand', math.max(tokens, 1))
+  redis.call('EXPIRE', share_key, 2 * DAY)
+end
+local ok, lims, seen = true, {}, {}
+for i = 1, n do
+  local lim = limits_of(ARGV[5 + i])
+  local st = read_scope(KEYS[2 * i - 1], lim, s, a, day)
+  local live = '-'
+  if lim[3] >= 0 then
+    redis.call('ZREMRANGEBYSCORE', KEYS[2 * i], '-inf', num(now))
+    live = redis.call('ZCARD', KEYS[2 * i])
+    if live >= lim[3] then ok = false end
+  end
+  if lim[1] == 0 or (lim[1] > 0 and st[1] < 1) then ok = false end
+  if lim[2] == 0 or (lim[2] > 0 and st[2] < tokens) then ok = false end
+  if lim[4] == 0 or (lim[4] > 0 and st[3] + tokens > lim[4]) then ok = false end
+  lims[i], seen[i] = lim, {st[1], st[2], live, st[3]}
+end
+if ok then
+  for i = 1, n do
+    local lim, v = lims[i], seen[i]
+    local st = {v[1], v[2], v[4]}
+    if lim[1] > 0 then st[1] = v[1] - 1 end
+    if lim[2] > 0 then st[2] = v[2] - tokens end
+    if lim[4] > 0 then st[3] = v[4] + tokens end
+    if lim[1] > 0 or lim[2] > 0 or lim[4] > 0 then write_scope(KEYS[2 * i - 1], lim, st, s, a, now, day) end
+    if lim[3] > 0 then
+      redis.call('ZADD', KEYS[2 * i], num(now + lease), request_id)
+      redis.call('PEXPIRE', KEYS[2 * i], math.ceil((lease + 60) * 1000))
+    end
+  end
+end
+local out = {ok and 1 or 0, num(now), day, num(s)}
+for i = 1, n do
+  for j = 1, 4 do out[#out + 1] = num(seen[i][j]) end
+end
+return table.concat(out, ' ')
+"""
+
+# KEYS: per scope its hash and its lease zset; then the request's "reconciled" marker; then the share hash when
+# sliced. ARGV: request_id, extra (used - reserved: < 0 refunds), day number charged, n_scopes, marker ttl s,
+# initial share, then per scope "rpm tpm conc tpd". Returns 1, or 0 when this request was reconciled before.
+RECONCILE = PRELUDE + r"""
+local n = tonumber(ARGV[4])
+if not redis.call('SET', KEYS[2 * n + 1], '1', 'NX', 'EX', ARGV[5]) then return 0 end
+local now, s0, extra, charged_day = clock(), tonumber(ARGV[6]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local day = math.floor(now / DAY)
+local share_key = nil
+if s0 > 0 then share_key = KEYS[2 * n + 2] end
+local s, a = share_of(share_key, now, s0, true)
+for i = 1, n do
+  local lim = limits_of(ARGV[6 + i])
+  if lim[2] > 0 or (lim[4] > 0 and charged_day == day) then
+    local st = read_scope(KEYS[2 * i - 1], lim, s, a, day)
+    if lim[2] > 0 then st[2] = math.min(lim[2] * s, st[2] - extra) end
+    if lim[4] > 0 and charged_day == day then st[3] = math.max(0, st[3] + extra) end
+    write_scope(KEYS[2 * i - 1], lim, st, s, a, now, day)
+  end
+  if lim[3] >= 0 then redis.call('ZREM', KEYS[2 * i], ARGV[1]) end
+end
+return 1
+"""
+
+# Read only. KEYS: the scope's hash, its zset[, the share hash]. ARGV: "rpm tpm conc tpd", initial share.
+# Returns "share requests tokens live used".
+INSPECT = PRELUDE + r"""
+local now, s0 = clock(), tonumber(ARGV[2])
+local share_key = nil
+if s0 > 0 then share_key = KEYS[3] end
+local s, a = share_of(share_key, now, s0, false)
+local lim = limits_of(ARGV[1])
+local st = read_scope(KEYS[1], lim, s, a, math.floor(now / DAY))
+local live = '-'
+if lim[3] >= 0 then live = redis.call('ZCOUNT', KEYS[2], '(' .. num(now), '+inf') end
+return table.concat({num(s), num(st[1]), num(st[2]), num(live), num(st[3])}, ' ')
+"""
+
+# A slice's share hash. KEYS: share. ARGV: initial share. Returns "share demand-since-the-last-call".
+TAKE_DEMAND = PRELUDE + r"""
+local s = share_of(KEYS[1], clock(), tonumber(ARGV[1]), true)
+local demand = redis.call('HGET', KEYS[1], 'demand') or '0'
+redis.call('HSET', KEYS[1], 'demand', '0')
+redis.call('EXPIRE', KEYS[1], 2 * DAY)
+return num(s) .. ' ' .. demand
+"""
+
+# KEYS: share. ARGV: new share, initial share. Closes the integral at the old share, then switches.
+SET_SHARE = PRELUDE + r"""
+local now = clock()
+local _, a = share_of(KEYS[1], now, tonumber(ARGV[2]), true)
+redis.call('HSET', KEYS[1], 's', ARGV[1], 'acc', num(a), 'since', num(now))
+redis.call('EXPIRE', KEYS[1], 2 * DAY)
+return 1
+"""

@@ -1,0 +1,140 @@
+"""The quota in process memory, for the embedded single-process mode and as the failover's local limiter. Same
+semantics as the Redis backend. A decision never awaits, so on one event loop it is atomic without locks."""
+from __future__ import annotations
+
+import datetime as dt
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from tokenfleet.quota.base import (Decision, Remaining, Reservation, Scope, check_reservation, check_reserve)
+from tokenfleet.quota.rules import DAY_S, ScopeState, decide, fits
+
+EPOCH = dt.date(1970, 1, 1)
+
+
+@dataclass
+class _Bucket:
+    level: float
+    at: float
+
+
+@dataclass
+class _ScopeData:
+    buckets: dict[str, _Bucket] = field(default_factory=dict)  # "rpm" / "tpm"
+    live: dict[str, float] = field(default_factory=dict)  # request id -> lease expiry
+    day: int = -1  # the UTC day number `used` counts (a day's usage limits only that day)
+    used: int = 0
+    keep_until: float = 0.0  # after this, forgetting the scope changes nothing (buckets full, no leases, day over)
+
+
+class MemoryQuota:
+    name = "memory"
+
+    def __init__(self, *, lease_s: float = 900.0, marker_ttl_s: float = 3600.0, concurrency_retry_s: float = 1.0,
+                 clock: Callable[[], float] = time.time, sweep_interval_s: float = 60.0) -> None:
+        if lease_s <= 0 or marker_ttl_s <= 0 or concurrency_retry_s <= 0:
+            raise ValueError("lease_s, marker_ttl_s and concurrency_retry_s must be positive")
+        self.lease_s, self.marker_ttl_s, self.concurrency_retry_s = lease_s, marker_ttl_s, concurrency_retry_s
+        self.clock, self.sweep_interval_s = clock, sweep_interval_s
+        self._scopes: dict[str, _ScopeData] = {}
+        self._reconciled: dict[str, float] = {}  # request id -> marker expiry
+        self._swept = 0.0
+
+    async def reserve(self, request_id: str, scopes: Sequence[Scope], tokens: int,
+                      tier: str = "default") -> Decision:
+        scopes = check_reserve(request_id, scopes, tokens)
+        now = self.clock()
+        self._sweep(now)
+        day = int(now // DAY_S)
+        states = [self._state(scope, now, day) for scope in scopes]
+        reservation = None
+        if all(fits(state, tokens) for state in states):
+            for state in states:
+                self._charge(state, request_id, tokens, now, day)
+            reservation = Reservation(request_id, scopes, tokens, (EPOCH + dt.timedelta(days=day)).isoformat(),
+                                      self.name)
+        return decide(states, tokens, reservation, now, self.concurrency_retry_s)
+
+    async def reconcile(self, reservation: Reservation, used_tokens: int) -> None:
+        check_reservation(reservation, used_tokens)
+        now = self.clock()
+        if self._reconciled.get(reservation.request_id, 0.0) > now:
+            return
+        self._reconciled[reservation.request_id] = now + self.marker_ttl_s
+        extra = used_tokens - reservation.tokens
+        day = (dt.date.fromisoformat(reservation.day) - EPOCH).days
+        for scope in reservation.scopes:
+            data = self._data(scope)
+            tpm = scope.limits.tokens_per_minute
+            if tpm:
+                self._store(data, "tpm", min(tpm, self._level(data, "tpm", tpm, now) - extra), tpm, now)
+            data.live.pop(reservation.request_id, None)
+            if scope.limits.tokens_per_day and data.day == day:
+                data.used = max(0, data.used + extra)
+
+    async def remaining(self, scope: Scope) -> Remaining:
+        now = self.clock()
+        state = self._state(scope, now, int(now // DAY_S))
+        lim = scope.limits
+        return Remaining(state.requests, state.tokens,
+                         None if state.live is None else lim.concurrent_requests - state.live,
+                         None if state.used_today is None else lim.tokens_per_day - state.used_today)
+
+    async def close(self) -> None:
+        self._scopes.clear()
+        self._reconciled.clear()
+
+    def _data(self, scope: Scope) -> _ScopeData:
+        data = self._scopes.get(scope.name)
+        if data is None:
+            data = self._scopes[scope.name] = _ScopeData()
+        return data
+
+    def _state(self, scope: Scope, now: float, day: int) -> ScopeState:
+        """What the scope holds now, refilled; changes nothing but dropping expired leases."""
+        lim, data = scope.limits, self._data(scope)
+        rpm, tpm, conc, tpd = (lim.requests_per_minute, lim.tokens_per_minute, lim.concurrent_requests,
+                               lim.tokens_per_day)
+        live = None
+        if conc is not None:
+            for request_id in [r for r, expiry in data.live.items() if expiry <= now]:
+                del data.live[request_id]
+            live = len(data.live)
+        return ScopeState(scope, lim,
+                          None if rpm is None else self._level(data, "rpm", rpm, now),
+                          None if tpm is None else self._level(data, "tpm", tpm, now),
+                          live, None if tpd is None else (data.used if data.day == day else 0))
+
+    def _charge(self, state: ScopeState, request_id: str, tokens: int, now: float, day: int) -> None:
+        data, lim = self._data(state.scope), state.limits
+        if state.requests is not None:
+            self._store(data, "rpm", state.requests - 1, lim.requests_per_minute, now)
+        if state.tokens is not None:
+            self._store(data, "tpm", state.tokens - tokens, lim.tokens_per_minute, now)
+        if state.live is not None:
+            data.live[request_id] = now + self.lease_s
+            data.keep_until = max(data.keep_until, now + self.lease_s)
+        if state.used_today is not None:
+            data.day, data.used = day, state.used_today + tokens
+            data.keep_until = max(data.keep_until, (day + 1) * DAY_S)
+
+    @staticmethod
+    def _level(data: _ScopeData, dim: str, limit: int, now: float) -> float:
+        bucket = data.buckets.get(dim)
+        if bucket is None:
+            return float(limit)
+        return min(float(limit), bucket.level + max(0.0, now - bucket.at) * limit / 60.0)
+
+    @staticmethod
+    def _store(data: _ScopeData, dim: str, level: float, limit: int, now: float) -> None:
+        data.buckets[dim] = _Bucket(level, now)
+        data.keep_until = max(data.keep_until, now + (limit - level) / (limit / 60.0))
+
+    def _sweep(self, now: float) -> None:
+        """Forgets idle scopes and old reconcile markers, so idle tenants cost nothing."""
+        if now - self._swept < self.sweep_interval_s:
+            return
+        self._swept = now
+        self._scopes = {name: d for name, d in self._scopes.items() if d.keep_until > now or d.live}
+        self._reconciled = {r: expiry for r, expiry in self._reconciled.items() if expiry > now}

@@ -1,0 +1,157 @@
+"""The quota in Redis, shared by every gateway of a fleet: each reserve and each reconcile is one Lua script call
+(lua.py), all keys of a request under the tenant's hash tag, every key expiring once idle. Hot tenants are split
+into slices (slices.py)."""
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from typing import Any, Mapping, Sequence
+
+import redis.asyncio as aioredis
+
+from tokenfleet.quota import lua
+from tokenfleet.quota.base import (Decision, Remaining, Reservation, Scope, check_reservation, check_reserve)
+from tokenfleet.quota.limits import Limits
+from tokenfleet.quota.rebalance import Rebalancer
+from tokenfleet.quota.rules import ScopeState, decide
+from tokenfleet.quota.slices import SlicePlan
+from tokenfleet.quota.store import RedisStore, Script, connect, text
+
+RESERVE, RECONCILE, INSPECT = Script(lua.RESERVE), Script(lua.RECONCILE), Script(lua.INSPECT)
+EPOCH = dt.date(1970, 1, 1)
+
+
+class RedisQuota:
+    """`client`: a redis.asyncio client (use `from_url` for one with the short timeouts and no retries this needs).
+    `hot_tenants`: tenant -> number of slices; `slice_index`: which slice this gateway draws from."""
+
+    name = "redis"
+
+    def __init__(self, client: aioredis.Redis, prefix: str = "tokenfleet:quota:", *, lease_s: float = 900.0,
+                 marker_ttl_s: int = 3600, concurrency_retry_s: float = 1.0, call_timeout_s: float = 1.0,
+                 max_in_flight: int = 16,
+                 hot_tenants: Mapping[str, int] | None = None, slice_index: int = 0,
+                 rebalance_interval_s: float = 2.0, min_share: float = 0.25, auto_rebalance: bool = True,
+                 owns_client: bool = False) -> None:
+        if lease_s <= 0 or marker_ttl_s < 1 or concurrency_retry_s <= 0 or rebalance_interval_s <= 0:
+            raise ValueError("lease_s, marker_ttl_s, concurrency_retry_s and rebalance_interval_s must be positive")
+        if not 0 < min_share <= 1:
+            raise ValueError(f"min_share must be in (0, 1], got {min_share}")
+        if slice_index < 0 or any(n < 1 for n in (hot_tenants or {}).values()):
+            raise ValueError("slice_index must be >= 0 and slice counts >= 1")
+        self.store = RedisStore(client, prefix, call_timeout_s, max_in_flight)
+        self.lease_s, self.marker_ttl_s, self.concurrency_retry_s = lease_s, marker_ttl_s, concurrency_retry_s
+        self._lease = repr(float(lease_s))
+        self.hot_tenants, self.slice_index = dict(hot_tenants or {}), slice_index
+        self.rebalance_interval_s, self.min_share = rebalance_interval_s, min_share
+        self.auto_rebalance = auto_rebalance  # False: the caller runs rebalancer(tenant).rebalance_once() itself
+        self.rebalancers: dict[str, Rebalancer] = {}
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._owns_client = owns_client
+
+    @classmethod
+    def from_url(cls, url: str, prefix: str = "tokenfleet:quota:", *, connect_timeout_s: float = 0.25,
+                 socket_timeout_s: float = 0.25, max_connections: int = 16, **options: Any) -> "RedisQuota":
+        client = connect(url, connect_timeout_s=connect_timeout_s, socket_timeout_s=socket_timeout_s,
+                         max_connections=max_connections)
+        options.setdefault("call_timeout_s", connect_timeout_s + socket_timeout_s + 0.25)
+        return cls(client, prefix, max_in_flight=max_connections, owns_client=True, **options)
+
+    def plan(self, tenant: str, index: int | None = None) -> SlicePlan:
+        count = self.hot_tenants.get(tenant)
+        if index is None and count:
+            index = self.slice_index % count
+        if index is None:
+            return SlicePlan(tenant)
+        return SlicePlan(tenant, index, count or index + 1, self.min_share)
+
+    def _keys(self, plan: SlicePlan, scope: Scope) -> list[str]:
+        return [self.store.key(plan.tag, scope.name, "q"), self.store.key(plan.tag, scope.name, "leases")]
+
+    async def reserve(self, request_id: str, scopes: Sequence[Scope], tokens: int,
+                      tier: str = "default") -> Decision:
+        scopes = check_reserve(request_id, scopes, tokens)
+        plan = self.plan(scopes[0].tenant)
+        limits = [plan.limits(s.limits) for s in scopes]
+        keys = [k for s in scopes for k in self._keys(plan, s)]
+        if plan.sliced:
+            keys.append(self.store.key(plan.tag, "share"))
+            self._start_rebalancer(plan)
+        args = [request_id, tokens, self._lease, len(scopes), _s0(plan), *map(_packed, limits)]
+        reply = text(await self.store.run(RESERVE, keys, args)).split(" ")
+        allowed, now, day, share = reply[0] == "1", float(reply[1]), int(reply[2]), float(reply[3])
+        states = []
+        for i, (scope, lim) in enumerate(zip(scopes, limits)):
+            rpm, tpm, live, used = map(_number, reply[4 + 4 * i: 8 + 4 * i])
+            states.append(ScopeState(scope, lim, rpm, tpm, _int(live), _int(used), share, plan.max_share))
+        reservation = None
+        if allowed:
+            reservation = Reservation(request_id, scopes, tokens, (EPOCH + dt.timedelta(days=day)).isoformat(),
+                                      self.name, plan.index)
+        return decide(states, tokens, reservation, now, self.concurrency_retry_s)
+
+    async def reconcile(self, reservation: Reservation, used_tokens: int) -> None:
+        check_reservation(reservation, used_tokens)
+        plan = self.plan(reservation.scopes[0].tenant, reservation.slice)
+        keys = [k for s in reservation.scopes for k in self._keys(plan, s)]
+        keys.append(self.store.key(plan.tag, "reconciled", reservation.request_id))
+        if plan.sliced:
+            keys.append(self.store.key(plan.tag, "share"))
+        day = (dt.date.fromisoformat(reservation.day) - EPOCH).days
+        args = [reservation.request_id, used_tokens - reservation.tokens, day, len(reservation.scopes),
+                self.marker_ttl_s, _s0(plan), *(_packed(plan.limits(s.limits)) for s in reservation.scopes)]
+        await self.store.run(RECONCILE, keys, args)
+
+    async def remaining(self, scope: Scope) -> Remaining:
+        """What `scope` has left now in this gateway's slice (read only)."""
+        plan = self.plan(scope.tenant)
+        lim = plan.limits(scope.limits)
+        keys = self._keys(plan, scope)
+        if plan.sliced:
+            keys.append(self.store.key(plan.tag, "share"))
+        reply = text(await self.store.run(INSPECT, keys, [_packed(lim), _s0(plan)])).split(" ")
+        rpm, tpm, live, used = map(_number, reply[1:5])
+        return Remaining(rpm, tpm, None if live is None else int(lim.concurrent_requests - live),
+                         None if used is None else int(lim.tokens_per_day - used))
+
+    async def share(self, tenant: str, index: int) -> float:
+        """A hot tenant's slice's current share of the per-minute buckets."""
+        plan = self.plan(tenant, index)
+        value = await self.store.command("HGET", self.store.key(plan.tag, "share"), "s")
+        return plan.initial_share if value is None else float(text(value))
+
+    def rebalancer(self, tenant: str) -> Rebalancer:
+        if tenant not in self.rebalancers:
+            self.rebalancers[tenant] = Rebalancer(self.store, tenant, self.hot_tenants[tenant], self.min_share,
+                                                  self.rebalance_interval_s)
+        return self.rebalancers[tenant]
+
+    def _start_rebalancer(self, plan: SlicePlan) -> None:
+        if self.auto_rebalance and plan.tenant not in self._tasks:  # on the tenant's first request; close() stops it
+            self._tasks[plan.tenant] = asyncio.get_running_loop().create_task(self.rebalancer(plan.tenant).run())
+
+    async def close(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        self._tasks.clear()
+        if self._owns_client:
+            await self.store.client.aclose()
+
+
+def _packed(lim: Limits) -> str:
+    """One scope's limits as the scripts take them: "rpm tpm conc tpd", -1 for unlimited."""
+    return " ".join("-1" if v is None else str(v) for v in
+                    (lim.requests_per_minute, lim.tokens_per_minute, lim.concurrent_requests, lim.tokens_per_day))
+
+
+def _number(value: str) -> float | None:
+    return None if value == "-" else float(value)
+
+
+def _int(value: float | None) -> int | None:
+    return None if value is None else int(value)
+
+
+def _s0(plan: SlicePlan) -> str:
+    return repr(plan.initial_share) if plan.sliced else "0"

@@ -1,0 +1,117 @@
+"""What fits: the admission rule of every backend, and the Decision (reason, retry-after, headers) built from what a
+backend saw. The Redis script applies the same rule inside Redis; this module explains its answer afterwards from
+the levels the script returns, so both backends refuse with the same reasons and headers."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from tokenfleet.quota.base import Decision, Reservation, Scope
+from tokenfleet.quota.headers import BucketView, ratelimit_headers
+from tokenfleet.quota.limits import Limits
+
+log = logging.getLogger("tokenfleet.quota")
+DAY_S = 86400
+
+
+@dataclass(frozen=True)
+class ScopeState:
+    """One scope as a backend saw it at decision time, before anything was charged."""
+
+    scope: Scope
+    limits: Limits  # as enforced here: a hot tenant's slice holds part of the concurrency and daily budget
+    requests: float | None = None  # RPM bucket level (None: unlimited)
+    tokens: float | None = None  # TPM bucket level; below zero is debt
+    live: int | None = None  # concurrency leases held
+    used_today: int | None = None
+    share: float = 1.0  # a hot tenant's slice: its share of the per-minute buckets' capacity and refill rate
+    max_share: float = 1.0  # the largest share a slice can ever get (request_too_large is judged against it)
+
+    def view(self, limit: int, level: float) -> BucketView:
+        return BucketView(limit, level, limit * self.share, limit / 60.0 * self.share)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    reason: str
+    scope: str
+    retry_after_s: float | None  # None: can never fit
+
+
+def seconds_to_midnight(now: float) -> float:
+    return DAY_S - now % DAY_S
+
+
+def refusals(state: ScopeState, tokens: int, now: float, concurrency_retry_s: float) -> list[Refusal]:
+    """Every dimension of this scope that refuses the request; empty when it fits."""
+    lim, name, out = state.limits, state.scope.name, []
+    rpm, tpm = lim.requests_per_minute, lim.tokens_per_minute
+    if rpm is not None:
+        if rpm == 0 or rpm * state.max_share < 1:
+            out.append(Refusal("requests_per_minute", name, None))
+        elif state.requests < 1:
+            out.append(Refusal("requests_per_minute", name, (1 - state.requests) / (rpm / 60.0 * state.share)))
+    if tpm is not None:
+        if tpm == 0:
+            out.append(Refusal("tokens_per_minute", name, None))
+        elif tokens > tpm * state.max_share:
+            out.append(Refusal("request_too_large", name, None))
+        elif state.tokens < tokens:
+            out.append(Refusal("tokens_per_minute", name, (tokens - state.tokens) / (tpm / 60.0 * state.share)))
+    out.extend(_counted_refusals(state, tokens, now, concurrency_retry_s))
+    return out
+
+
+def _counted_refusals(state: ScopeState, tokens: int, now: float, concurrency_retry_s: float) -> list[Refusal]:
+    lim, name, out = state.limits, state.scope.name, []
+    conc, tpd = lim.concurrent_requests, lim.tokens_per_day
+    if conc is not None:
+        if conc == 0:
+            out.append(Refusal("concurrent_requests", name, None))
+        elif state.live >= conc:
+            # when a slot frees is unknowable; a short wait is the honest hint
+            out.append(Refusal("concurrent_requests", name, concurrency_retry_s))
+    if tpd is not None:
+        if tpd == 0:
+            out.append(Refusal("tokens_per_day", name, None))
+        elif tokens > tpd:
+            out.append(Refusal("request_too_large", name, None))
+        elif state.used_today + tokens > tpd:
+            out.append(Refusal("tokens_per_day", name, seconds_to_midnight(now)))
+    return out
+
+
+def fits(state: ScopeState, tokens: int) -> bool:
+    return not refusals(state, tokens, 0.0, 0.0)
+
+
+def pick(found: list[Refusal]) -> Refusal:
+    """The refusal to report: one that can never fit first, else the longest wait (nothing fits before it)."""
+    never = [r for r in found if r.retry_after_s is None]
+    if never:
+        return never[0]
+    return max(found, key=lambda r: r.retry_after_s)
+
+
+def decide(states: list[ScopeState], tokens: int, reservation: Reservation | None, now: float,
+           concurrency_retry_s: float) -> Decision:
+    """The Decision for a request the backend admitted (reservation given, `states` before charging) or refused."""
+    charged = reservation is not None
+    headers = _bucket_headers(states, tokens if charged else 0, 1 if charged else 0)
+    if charged:
+        return Decision(True, reservation, headers=headers)
+    found = [r for s in states for r in refusals(s, tokens, now, concurrency_retry_s)]
+    if not found:  # cannot happen while this module and the Lua script agree
+        log.error("quota backend refused a request that fits every scope; answering retry in 1 s")
+        found = [Refusal("requests_per_minute", states[0].scope.name, 1.0)]
+    refusal = pick(found)
+    headers.update(ratelimit_headers([], [], refusal.retry_after_s))
+    return Decision(False, None, refusal.reason, refusal.scope, refusal.retry_after_s, headers)
+
+
+def _bucket_headers(states: list[ScopeState], tokens: int, requests: int) -> dict[str, str]:
+    request_views = [s.view(s.limits.requests_per_minute, s.requests - requests)
+                     for s in states if s.limits.requests_per_minute is not None]
+    token_views = [s.view(s.limits.tokens_per_minute, s.tokens - tokens)
+                   for s in states if s.limits.tokens_per_minute is not None]
+    return ratelimit_headers(request_views, token_views)

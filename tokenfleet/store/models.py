@@ -1,0 +1,98 @@
+"""The ORM tables. Migrations in `migrations/versions/` create exactly this schema (a test compares them)."""
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy import BigInteger, DateTime, Float, ForeignKey, MetaData, String, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+from tokenfleet.quota.limits import Limits
+
+# Named constraints keep migrations deterministic across databases (SQLite batch migrations need the names).
+NAMING = {
+    "pk": "pk_%(table_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ix": "ix_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+}
+NAME_LENGTH = 200
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class UTCDateTime(TypeDecorator):
+    """Timezone-aware UTC datetimes on every backend (SQLite hands back naive ones)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        return value.astimezone(timezone.utc) if value is not None else None
+
+    def process_result_value(self, value: datetime | None, dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class LimitColumns:
+    """Per-tenant overrides of the tier's limits; NULL means "the tier default"."""
+
+    requests_per_minute: Mapped[int | None] = mapped_column(BigInteger)
+    tokens_per_minute: Mapped[int | None] = mapped_column(BigInteger)
+    concurrent_requests: Mapped[int | None] = mapped_column(BigInteger)
+    tokens_per_day: Mapped[int | None] = mapped_column(BigInteger)
+
+    def limits(self) -> Limits:
+        return Limits(self.requests_per_minute, self.tokens_per_minute, self.concurrent_requests,
+                      self.tokens_per_day)
+
+    def set_limits(self, limits: Limits) -> None:
+        self.requests_per_minute = limits.requests_per_minute
+        self.tokens_per_minute = limits.tokens_per_minute
+        self.concurrent_requests = limits.concurrent_requests
+        self.tokens_per_day = limits.tokens_per_day
+
+
+class Organisation(LimitColumns, Base):
+    __tablename__ = "organisations"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(NAME_LENGTH), unique=True)
+    tier: Mapped[str] = mapped_column(String(64))
+    provisioned_share: Mapped[float | None] = mapped_column(Float)  # fraction of provisioned throughput, 0–1
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class User(LimitColumns, Base):
+    __tablename__ = "users"
+    __table_args__ = (UniqueConstraint("org_id", "name"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    org_id: Mapped[str] = mapped_column(ForeignKey("organisations.id"))
+    name: Mapped[str] = mapped_column(String(NAME_LENGTH))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    org_id: Mapped[str] = mapped_column(ForeignKey("organisations.id"), index=True)
+    user_id: Mapped[str] = mapped_column(ForeignKey("users.id"), index=True)
+    name: Mapped[str] = mapped_column(String(NAME_LENGTH))
+    prefix: Mapped[str] = mapped_column(String(16))
+    hash: Mapped[str] = mapped_column(String(64), unique=True)  # SHA-256 hex of the key; the key is never stored
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

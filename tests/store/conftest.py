@@ -21,7 +21,8 @@ def postgres_url():
     try:
         name = create_postgres_database()
     except OSError as e:
-        pytest.skip(f"no PostgreSQL at {POSTGRES_ADMIN_URL}: {e}")
+        pytest.fail(f"no PostgreSQL at {POSTGRES_ADMIN_URL} ({e}); .ci/run starts it, or set "
+                    "TOKENFLEET_TEST_POSTGRES")
     yield database_url(name)
     drop_postgres_database(name)
 

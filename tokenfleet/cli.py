@@ -3,6 +3,7 @@ registered in COMMANDS; add new subcommands by appending to that table."""
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -67,6 +68,18 @@ def add_replica(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None,
                         help="model name clients use (default: the checkpoint folder's name)")
     add_drain_argument(parser)
+    fleet = parser.add_argument_group("fleet registry")
+    fleet.add_argument("--register", metavar="REDIS_URL", default=None,
+                       help="join the fleet: announce this replica in Redis once it serves, heartbeat, mark it "
+                            "draining at SIGTERM and withdraw it on exit (default: not registered)")
+    fleet.add_argument("--advertise-url", metavar="URL", default=None,
+                       help="base URL gateways call (default: http://HOST:PORT; a wildcard HOST becomes this "
+                            "machine's hostname, or 127.0.0.1)")
+    fleet.add_argument("--pool", default="default", help="region / pool this replica belongs to (default: default)")
+    fleet.add_argument("--registry-prefix", default="tokenfleet:replicas:",
+                       help="Redis key prefix of the fleet's registry (default: tokenfleet:replicas:)")
+    fleet.add_argument("--registry-ttl", type=float, default=6.0,
+                       help="seconds the record outlives the last heartbeat (heartbeats every ttl/3; default: 6)")
 
 
 def run_replica(args: argparse.Namespace) -> int:
@@ -167,4 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError) as e:  # a mistake in flags or configuration: a message, not a traceback
+        print(f"tokenfleet {args.command}: error: {e}", file=sys.stderr)
+        return 2

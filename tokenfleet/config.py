@@ -13,6 +13,9 @@ import yaml
 
 from tokenfleet.dispatch.overload import OverloadSettings
 from tokenfleet.quota.limits import Limits
+from tokenfleet.router.catalog import ModelSpec, PoolSpec, RoutingRule
+from tokenfleet.router.health import HealthSettings
+from tokenfleet.router.router import Canary, RoutingSettings, Shadow
 
 if TYPE_CHECKING:
     import torch
@@ -176,6 +179,22 @@ def tiers_from_dict(raw: dict | None) -> dict[str, TierConfig]:
     return tiers
 
 
+def routing_from_dict(raw: dict | None, where: str) -> RoutingSettings:
+    """`routing:` in fleet.yaml: the policy and its bound, health checks, product rules, canaries, shadows."""
+    raw = dict(raw or {})
+    try:
+        health = section(HealthSettings, raw.pop("health", None), f"{where}.health")
+        rules = {alias: [RoutingRule(**r) for r in rules] for alias, rules in (raw.pop("rules", None) or {}).items()}
+        canary = [Canary(**c) for c in raw.pop("canary", None) or []]
+        shadow = [Shadow(**s) for s in raw.pop("shadow", None) or []]
+    except TypeError as e:
+        raise ValueError(f"{where}: {e}") from None
+    settings = section(RoutingSettings, raw, where)
+    settings.health, settings.rules, settings.canary, settings.shadow = health, rules, canary, shadow
+    settings.__post_init__()
+    return settings
+
+
 @dataclass
 class FleetConfig:
     """fleet.yaml: the model the gateway serves, its replicas, where streams are kept for resume, and tenancy."""
@@ -198,6 +217,16 @@ class FleetConfig:
     dispatch: DispatchSettings = field(default_factory=DispatchSettings)
     overload: OverloadSettings = field(default_factory=OverloadSettings)
     resume_secret: str | None = None  # signs resume tokens; give every gateway of a fleet the same one
+    models: list[ModelSpec] = field(default_factory=list)  # versions, aliases, pools; or model_name + replicas
+    routing: RoutingSettings = field(default_factory=RoutingSettings)
+
+    def served_models(self) -> list[ModelSpec]:
+        """`models`, or the one model of the short form (model_name, model_path, replicas)."""
+        if self.models:
+            return self.models
+        if not self.model_name:
+            return []
+        return [ModelSpec(self.model_name, self.model_path, pools=[PoolSpec("default", list(self.replicas))])]
 
     @classmethod
     def load(cls, path: str | Path) -> "FleetConfig":
@@ -210,7 +239,9 @@ class FleetConfig:
             ("streams", StreamSettings), ("quota", QuotaSettings), ("dispatch", DispatchSettings),
             ("overload", OverloadSettings))}
         tiers = tiers_from_dict(raw.pop("tiers", None))
-        config = cls(**raw, **sections, tiers=tiers)
+        models = [ModelSpec.from_dict(m, f"{path}: models[{i}]") for i, m in enumerate(raw.pop("models", None) or [])]
+        routing = routing_from_dict(raw.pop("routing", None), f"{path}: routing")
+        config = cls(**raw, **sections, tiers=tiers, models=models, routing=routing)
         config.database_url = os.environ.get("TOKENFLEET_DATABASE_URL", config.database_url)
         config.admin_key = os.environ.get("TOKENFLEET_ADMIN_KEY", config.admin_key)
         config.resume_secret = os.environ.get("TOKENFLEET_RESUME_SECRET", config.resume_secret)

@@ -8,14 +8,9 @@ import time
 
 import httpx
 
+from tests.gateway.inprocess import inprocess_gateway
 from tokenfleet.config import default_tiers
-from tokenfleet.dispatch.overload import OverloadLadder
-from tokenfleet.dispatch.queue import Dispatcher
-from tokenfleet.gateway.admission import Admission
-from tokenfleet.gateway.app import Gateway, ModelInfo, create_gateway_app
-from tokenfleet.gateway.auth import Authenticator
-from tokenfleet.gateway.resume import MemoryResumeBuffer
-from tokenfleet.model.tokenizer import Tokenizer
+from tokenfleet.gateway.app import Gateway, create_gateway_app
 from tokenfleet.quota.failover import FailoverQuota
 from tokenfleet.quota.memory import MemoryQuota
 from tokenfleet.quota.redis import RedisQuota
@@ -25,6 +20,7 @@ class RecordingUpstream:
     """Stands in for a replica: answers `count` tokens and remembers every body it was sent."""
 
     name = "recording"
+    kind = "tokenfleet"
 
     def __init__(self, count: int = 3, fail: bool = False) -> None:
         self.count, self.fail, self.bodies = count, fail, []
@@ -45,11 +41,7 @@ class RecordingUpstream:
 
 
 def gateway(demo_model_dir, quota, tier: str, upstream=None) -> Gateway:
-    tiers = default_tiers()
-    admission = Admission(quota, Dispatcher(tiers, slots=4), OverloadLadder())
-    info = ModelInfo("tiny", Tokenizer.from_dir(demo_model_dir), 512)
-    return Gateway(info, [upstream or RecordingUpstream()], MemoryResumeBuffer(), admission,
-                   Authenticator(None, tiers, open_tier=tier))
+    return inprocess_gateway(demo_model_dir, [upstream or RecordingUpstream()], open_tier=tier, quota=quota)
 
 
 async def post(gw: Gateway, **extra) -> httpx.Response:
@@ -111,5 +103,5 @@ def test_every_ending_reconciles_the_reservation(demo_model_dir):
         prompt = len(reconciled) and reconciled[0][0] - 3
         assert reconciled == [(prompt + 3, 5 + 3), (prompt + 3, 0)]
         for gw in (ok, failing):
-            assert gw.admission.dispatcher.snapshot().in_use == 0
+            assert gw.admission.dispatchers["tiny"].snapshot().in_use == 0
     asyncio.run(scenario())

@@ -10,14 +10,11 @@ import pytest
 import redis.asyncio as redis
 
 from tokenfleet.api.errors import APIError
-from tokenfleet.config import StreamSettings, default_tiers
-from tokenfleet.dispatch.overload import OverloadLadder
-from tokenfleet.dispatch.queue import Dispatcher
-from tokenfleet.gateway.admission import Admission
-from tokenfleet.gateway.app import Gateway, ModelInfo
-from tokenfleet.gateway.auth import Authenticator, Caller
+from tests.gateway.inprocess import MODEL, inprocess_gateway
+from tokenfleet.config import default_tiers
+from tokenfleet.gateway.auth import Caller
 from tokenfleet.gateway.formats import OpenAIFormat
-from tokenfleet.quota.memory import MemoryQuota
+from tokenfleet.gateway.gateway import Gateway
 from tokenfleet.gateway.resume import MemoryResumeBuffer, RedisResumeBuffer, StreamEvent
 from tokenfleet.gateway.sse_response import SSEResponse
 
@@ -26,6 +23,7 @@ class FakeUpstream:
     """Stands in for a replica: `count` chat chunks, `delay` seconds apart."""
 
     name = "fake"
+    kind = "tokenfleet"
 
     def __init__(self, count: int, delay: float = 0.0) -> None:
         self.count, self.delay = count, delay
@@ -57,20 +55,19 @@ async def run_response(response: SSEResponse, send_delay: float = 0.0) -> list[b
     return sent
 
 
-def make_gateway(upstream, buffer=None, **settings) -> Gateway:
-    tiers = default_tiers()
-    admission = Admission(MemoryQuota(), Dispatcher(tiers, slots=8), OverloadLadder())
-    return Gateway(ModelInfo("m", tokenizer=None, max_model_len=100), [upstream], buffer or MemoryResumeBuffer(),
-                   admission, Authenticator(None, tiers), StreamSettings(**settings))
+def make_gateway(model_dir, upstream, buffer=None, **settings) -> Gateway:
+    return inprocess_gateway(model_dir, [upstream], buffer=buffer, **settings)
 
 
 async def start(gateway: Gateway, include_usage: bool = False):
-    return await gateway.start_relay(gateway.upstreams[0], "chat", {}, OpenAIFormat("r1", include_usage))
+    p = gateway.prepare("chat", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]},
+                        gateway.auth.open_caller)
+    return await gateway.start_relay(p, OpenAIFormat(p.request_id, include_usage))
 
 
-def test_heartbeats_while_the_stream_is_idle():
+def test_heartbeats_while_the_stream_is_idle(demo_model_dir):
     async def scenario():
-        gateway = make_gateway(FakeUpstream(3, delay=0.25), ping_interval_s=0.05)
+        gateway = make_gateway(demo_model_dir, FakeUpstream(3, delay=0.25), ping_interval_s=0.05)
         relay = await start(gateway)
         body = b"".join(await run_response(gateway.sse(relay.request_id, 0))).decode()
         assert body.count(": ping\n\n") >= 6
@@ -78,9 +75,9 @@ def test_heartbeats_while_the_stream_is_idle():
     asyncio.run(scenario())
 
 
-def test_slow_reader_is_cut_off_and_resumes_everything():
+def test_slow_reader_is_cut_off_and_resumes_everything(demo_model_dir):
     async def scenario():
-        gateway = make_gateway(FakeUpstream(60), max_lag_events=5)
+        gateway = make_gateway(demo_model_dir, FakeUpstream(60), max_lag_events=5)
         relay = await start(gateway, include_usage=True)
         endings = []
         response = gateway.sse(relay.request_id, 0)
@@ -97,9 +94,9 @@ def test_slow_reader_is_cut_off_and_resumes_everything():
     asyncio.run(scenario())
 
 
-def test_cancel_stops_generation_and_closes_the_stream():
+def test_cancel_stops_generation_and_closes_the_stream(demo_model_dir):
     async def scenario():
-        gateway = make_gateway(FakeUpstream(1000, delay=0.01))
+        gateway = make_gateway(demo_model_dir, FakeUpstream(1000, delay=0.01))
         relay = await start(gateway)
         relay.owner = gateway.auth.open_caller.tenant
         await asyncio.sleep(0.05)

@@ -24,6 +24,7 @@ class Admitted:
     request_id: str
     caller: Caller
     reservation: Reservation
+    model: str = ""  # whose dispatch queue it waits in
     slot: Slot | None = None
     headers: dict[str, str] | None = None  # x-ratelimit-* for the response
 
@@ -44,8 +45,9 @@ class OutputEstimate:
 
 
 class Admission:
-    def __init__(self, quota: QuotaService, dispatcher: Dispatcher, ladder: OverloadLadder) -> None:
-        self.quota, self.dispatcher, self.ladder = quota, dispatcher, ladder
+    def __init__(self, quota: QuotaService, dispatchers: dict[str, Dispatcher], ladder: OverloadLadder) -> None:
+        """One dispatcher (fair queue by tier, then tenant) per model; one quota and one ladder per gateway."""
+        self.quota, self.dispatchers, self.ladder = quota, dispatchers, ladder
         self.outputs = OutputEstimate()
         self.shed: Counter[tuple[str]] = Counter()  # by (tier,)
         self.refusals: Counter[tuple[str, str]] = Counter()  # by (tier, reason)
@@ -79,16 +81,17 @@ class Admission:
             raise _refusal(decision, tokens)
         return Admitted(request_id, caller, decision.reservation, headers=decision.headers)
 
-    async def queue(self, admitted: Admitted, cost: int) -> None:
-        """Waits for room in the pool; the caller must `leave` whatever happens after `reserve` succeeded."""
+    async def queue(self, admitted: Admitted, cost: int, model: str) -> None:
+        """Waits for room in the model's pool; the caller must `leave` whatever happens after `reserve` succeeded."""
         ticket = Ticket(admitted.request_id, admitted.caller.tenant, admitted.caller.principal.tier, cost)
-        admitted.slot = await self.dispatcher.acquire(ticket)
+        admitted.model = model
+        admitted.slot = await self.dispatchers[model].acquire(ticket)
 
     async def leave(self, admitted: Admitted, usage: dict | None, choices: int = 1) -> None:
         """The request ended (finished, cancelled, failed or refused): refund or charge, free the slot."""
         used = 0 if not usage else usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
         if admitted.slot is not None:
-            self.dispatcher.release(admitted.slot, used)
+            self.dispatchers[admitted.model].release(admitted.slot, used)
         if usage:
             self.outputs.observe(admitted.caller.tenant, usage.get("completion_tokens", 0) // max(choices, 1),
                                  admitted.caller.tier.typical_output_tokens)
@@ -98,17 +101,23 @@ class Admission:
             log.exception("reconciling %s failed", admitted.request_id)
 
 
-async def watch_load(admission: Admission, upstreams: list, interval_s: float, prefill_tokens_per_s: float) -> None:
-    """Every interval: read the replicas' load reports, project the time to first token, move the overload ladder
-    and pause or resume the batch tier accordingly. A replica that does not answer counts as reporting nothing."""
+async def watch_load(admission: Admission, router, interval_s: float, slots_per_replica: int,
+                     prefill_tokens_per_s: float) -> None:
+    """Every interval: size each model's dispatcher to its replicas taking work, project the time to first token
+    from the queues and the replicas' load reports (the router keeps those fresh), move the overload ladder, and
+    pause or resume the batch tier accordingly."""
     while True:
-        reports = await asyncio.gather(*(asyncio.wait_for(u.load(), interval_s) for u in upstreams),
-                                       return_exceptions=True)
-        waiting = sum(r.get("queued_prefill_tokens", 0) for r in reports if isinstance(r, dict))
-        snapshot = admission.dispatcher.snapshot()
-        admission.ladder.update(LoadSignal(snapshot.queued_tokens, waiting, snapshot.in_use, snapshot.slots,
-                                           prefill_tokens_per_s * len(upstreams)))
-        admission.ladder.apply(admission.dispatcher)
+        replicas = 0
+        for model, dispatcher in admission.dispatchers.items():
+            taking = sum(not r.draining for r in router.models[model].replicas.values())
+            dispatcher.set_slots(slots_per_replica * taking)
+            replicas += taking
+        snapshots = [d.snapshot() for d in admission.dispatchers.values()]
+        admission.ladder.update(LoadSignal(sum(s.queued_tokens for s in snapshots), router.queued_tokens(),
+                                           sum(s.in_use for s in snapshots), sum(s.slots for s in snapshots),
+                                           prefill_tokens_per_s * replicas))
+        for dispatcher in admission.dispatchers.values():
+            admission.ladder.apply(dispatcher)
         await asyncio.sleep(interval_s)
 
 

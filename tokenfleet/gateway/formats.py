@@ -31,6 +31,11 @@ class OpenAIFormat:
     def error(self, error: APIError) -> list[Event]:
         return [(json.dumps(error.body()), None)]
 
+    def retrying(self, info: dict) -> list[Event]:
+        """A chunk with no choices (clients skip those, like the usage chunk) under the event name `retrying`."""
+        return [(json.dumps({"id": self.request_id, "object": "chat.completion.chunk", "choices": [],
+                             "retrying": info}), "retrying")]
+
 
 @dataclass
 class NativeFormat:
@@ -58,6 +63,9 @@ class NativeFormat:
     def error(self, error: APIError) -> list[Event]:
         return [(json.dumps(error.body()), "error")]
 
+    def retrying(self, info: dict) -> list[Event]:
+        return [(json.dumps(info), "retrying")]
+
 
 @dataclass
 class CollectFormat:
@@ -76,6 +84,9 @@ class CollectFormat:
 
     def error(self, error: APIError) -> list[Event]:
         self.failure = error
+        return []
+
+    def retrying(self, info: dict) -> list[Event]:
         return []
 
 

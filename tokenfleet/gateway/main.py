@@ -7,6 +7,7 @@ import logging
 import os
 from pathlib import Path
 
+import httpx
 from fastapi import FastAPI
 
 from tokenfleet.api.http import configure_logging, run_http
@@ -20,7 +21,7 @@ from tokenfleet.gateway.app import Gateway, ModelInfo, create_gateway_app
 from tokenfleet.gateway.auth import Authenticator
 from tokenfleet.gateway.resume import MemoryResumeBuffer, RedisResumeBuffer, ResumeBuffer
 from tokenfleet.gateway.safety import load_hook
-from tokenfleet.gateway.upstream import HttpUpstream, InProcessUpstream, Upstream
+from tokenfleet.gateway.upstream import HttpUpstream, InProcessUpstream
 from tokenfleet.model.config import ModelConfig
 from tokenfleet.model.tokenizer import Tokenizer
 from tokenfleet.replica.metrics import load_report
@@ -29,6 +30,9 @@ from tokenfleet.quota.failover import FailoverQuota
 from tokenfleet.quota.memory import MemoryQuota
 from tokenfleet.quota.redis import RedisQuota
 from tokenfleet.replica.server import ReplicaService
+from tokenfleet.router.catalog import ModelCatalog
+from tokenfleet.router.registry import ReplicaRegistry
+from tokenfleet.router.router import Router
 from tokenfleet.store.db import Database, migrate, resolve_database_url
 from tokenfleet.store.tenants import TenantStore
 
@@ -65,36 +69,70 @@ def quota_service(config: FleetConfig) -> QuotaService:
     return FailoverQuota(redis_quota, MemoryQuota(), policy, breaker_s=settings.retry_after_outage_s)
 
 
-def build_gateway(config: FleetConfig, model: ModelInfo, upstreams: list[Upstream], open_tier: str | None = None,
+def build_gateway(config: FleetConfig, models: dict[str, ModelInfo], make_upstream, open_tier: str | None = None,
                   buffer: ResumeBuffer | None = None) -> tuple[Gateway, TenantStore | None]:
-    """The gateway with its tenancy: keys from the database (or, with `open_tier`, one unauthenticated user),
-    quotas, the fair dispatcher and the overload ladder."""
+    """The gateway: tenancy (keys from the database, or with `open_tier` one unauthenticated user), quotas, one
+    fair dispatcher per model, the overload ladder, and the router over the configured (and registered) replicas.
+    `make_upstream(url, name, kind)` is how the router reaches a replica."""
     store, tiers = None, config.tiers
-    if open_tier is not None:  # the single user of an open embedded server: no limits, first in line
+    if open_tier is not None and open_tier not in tiers:  # an open server's single user: no limits, first in line
         tiers = {**tiers, open_tier: TierConfig(priority=0, weight=1)}
     if config.database_url:
         asyncio.run(migrate(config.database_url))
         store = TenantStore(Database(config.database_url), config.tiers)
     if open_tier is None and store is None:
         raise ValueError("the gateway needs database_url (tenants and API keys); see deploy/fleet.example.yaml")
-    if config.overload.free_model:
-        raise ValueError("overload.free_model: moving free requests to a smaller model needs model pools, which "
-                         "this gateway does not have yet (one model per gateway); leave it unset")
+    router = Router(ModelCatalog(config.served_models(), config.routing.rules), config.routing,
+                    config.dispatch.slots_per_replica, make_upstream)
+    router.add_configured_replicas()
+    free_model = config.overload.free_model
+    if free_model and router.catalog.lookup(free_model) is None:
+        raise ValueError(f"overload.free_model {free_model!r} is not a configured model")
     quota = quota_service(config)
-    slots = config.dispatch.slots_per_replica * len(upstreams)
     provisioned = asyncio.run(provisioned_shares(config.database_url)) if store else {}
-    dispatcher = Dispatcher(tiers, slots, config.dispatch.quantum_tokens, provisioned=provisioned)
-    admission = Admission(quota, dispatcher, OverloadLadder(config.overload))
+    dispatchers = {name: Dispatcher(tiers, config.dispatch.slots_per_replica * max(1, len(pools.replicas)),
+                                    config.dispatch.quantum_tokens, provisioned=provisioned)
+                   for name, pools in router.models.items()}
+    admission = Admission(quota, dispatchers, OverloadLadder(config.overload))
     auth = Authenticator(None if open_tier else store, tiers, open_tier or "paid")
     secret = config.resume_secret.encode() if config.resume_secret else None
-    gateway = Gateway(model, upstreams, buffer or resume_buffer(config), admission, auth, config.streams,
+    gateway = Gateway(models, router, buffer or resume_buffer(config), admission, auth, config.streams,
                       load_hook(config.safety_hook), secret)
-    d = config.dispatch
-    gateway.services.append(lambda: watch_load(admission, upstreams, d.load_interval_s, d.prefill_tokens_per_s))
+    add_background_work(gateway, config)
     gateway.closers.append(quota.close)
     if store is not None:
         gateway.closers.append(store.db.close)
     return gateway, store
+
+
+def add_background_work(gateway: Gateway, config: FleetConfig) -> None:
+    """Load reports, active health checks, the overload ladder, and (in a fleet) the Redis replica registry."""
+    router, d = gateway.router, config.dispatch
+    gateway.services.append(router.refresh_loads)
+    gateway.services.append(lambda: watch_load(gateway.admission, router, d.load_interval_s, d.slots_per_replica,
+                                               d.prefill_tokens_per_s))
+
+    async def health_checks() -> None:
+        async with httpx.AsyncClient() as client:
+            await router.health.run_active_checks(client)
+
+    gateway.services.append(health_checks)
+    if config.redis_url:
+        import redis.asyncio as redis
+
+        registry = ReplicaRegistry(redis.from_url(config.redis_url), config.routing.register_prefix)
+        gateway.services.append(lambda: registry.watch(router.on_registry_change))
+
+
+def load_models(config: FleetConfig) -> dict[str, ModelInfo]:
+    """Every served model's tokenizer and context window, read from its checkpoint folder."""
+    infos = {}
+    for spec in config.served_models():
+        if not Path(spec.path, "config.json").is_file():
+            raise ValueError(f"model {spec.name}: no checkpoint at {spec.path!r} (the gateway reads its tokenizer "
+                             "and context window from there)")
+        infos[spec.name] = model_info(spec.name, spec.path, spec.max_model_len)
+    return infos
 
 
 async def provisioned_shares(database_url: str) -> dict[str, float]:
@@ -114,13 +152,18 @@ def admin_routes(gateway: Gateway, store: TenantStore | None, admin_key: str | N
 def serve_gateway(args: argparse.Namespace) -> None:
     configure_logging()
     config = FleetConfig.load(args.config)
-    if not (config.model_name and config.model_path and config.replicas):
-        raise SystemExit(f"{args.config}: model_name, model_path and replicas are required for a gateway")
-    upstreams = [HttpUpstream(url) for url in config.replicas]
-    gateway, store = build_gateway(config, model_info(config.model_name, config.model_path), upstreams)
-    log.info("gateway for %s over %d replica(s) on http://%s:%d", config.model_name, len(upstreams),
-             config.host, config.port)
-    app = create_gateway_app(gateway, admin_routes(gateway, store, config.admin_key, config.tiers))
+    if not config.served_models():
+        raise SystemExit(f"{args.config}: no model to serve: give models (or model_name and model_path)")
+    timeout = config.routing.replica_timeout_s
+
+    def upstream(url: str, name: str, kind: str) -> HttpUpstream:
+        return HttpUpstream(url, name, kind, read_timeout_s=timeout)
+
+    gateway, store = build_gateway(config, load_models(config), upstream)
+    for name, pools in gateway.router.models.items():
+        log.info("serving %s over %d configured replica(s)", name, len(pools.replicas))
+    log.info("gateway on http://%s:%d", config.host, config.port)
+    app = create_gateway_app(gateway, admin_routes(gateway, store, config.admin_key, config.tiers), config.admin_key)
     run_http(app, config.host, config.port, config.drain_timeout_s)
 
 
@@ -136,8 +179,10 @@ def serve_embedded(args: argparse.Namespace) -> None:
     service = ReplicaService(engine, name)
     info = ModelInfo(name, engine.tokenizer, engine.engine.max_model_len)
     config = embedded_config(args, name, engine_config.model)
-    gateway, store = build_gateway(config, info, [InProcessUpstream(service)], None if args.auth else "local",
-                                   MemoryResumeBuffer())
+    local = InProcessUpstream(service)
+    gateway, store = build_gateway(config, {name: info}, lambda url, replica, kind: local,
+                                   None if args.auth else "local", MemoryResumeBuffer())
+    gateway.router.models[name].add("local", "", "local", "tokenfleet", lambda url, replica: local)
     gateway.extra_metrics = service.metrics.render
     install_admin = admin_routes(gateway, store, config.admin_key, config.tiers)
 
@@ -152,7 +197,8 @@ def serve_embedded(args: argparse.Namespace) -> None:
         log.warning("serving %s on http://%s:%d with NO authentication and no limits (single-user embedded mode; "
                     "--auth requires API keys)", name, args.host, args.port)
     try:
-        run_http(create_gateway_app(gateway, replica_routes), args.host, args.port, args.drain_timeout)
+        run_http(create_gateway_app(gateway, replica_routes, config.admin_key), args.host, args.port,
+                 args.drain_timeout)
     finally:
         engine.shutdown()
 
@@ -161,6 +207,7 @@ def embedded_config(args: argparse.Namespace, name: str, model_path: str) -> Fle
     """`tokenfleet serve`: the fleet file's tenancy sections when --config is given, its model from the flags."""
     config = FleetConfig.load(args.config) if args.config else FleetConfig()
     config.model_name, config.model_path, config.host, config.port = name, model_path, args.host, args.port
+    config.models = []  # embedded: the one model of the flags
     config.database_url = resolve_database_url(args.database_url, args.config) if args.auth else None
     config.admin_key = config.admin_key or os.environ.get("TOKENFLEET_ADMIN_KEY")
     config.safety_hook = args.safety_hook or config.safety_hook

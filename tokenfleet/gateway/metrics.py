@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
@@ -23,6 +23,9 @@ class GatewayMetrics:
         self.cancels = Counter("tokenfleet_gateway_cancels", "Generations stopped early: by the cancel API, or "
                                "abandoned (the client left and did not resume in time).", ["reason"],
                                registry=self.registry)
+        self.shadow_latency = Histogram("tokenfleet_shadow_latency_seconds", "Shadow requests to a candidate "
+                                        "model: time to first token and end to end (output discarded).",
+                                        ["model", "what"], registry=self.registry)
         Gauge("tokenfleet_gateway_active_relays", "Generations being relayed now.",
               registry=self.registry).set_function(active_streams)
         self.registry.register(AdmissionCollector(admission))
@@ -39,24 +42,26 @@ class AdmissionCollector:
 
     def collect(self):
         a = self.admission
-        snapshot = a.dispatcher.snapshot()
         yield _gauge("tokenfleet_overload_level", "Degradation ladder step: 0 normal, 1 batch paused, 2 free capped "
                      "and moved to the smaller model, 3 free shed, 4 paid queueing.", {(): a.ladder.level})
         yield _gauge("tokenfleet_projected_ttft_seconds", "Projected time to first token of a new request.",
                      {(): a.ladder.projected_ttft_s})
-        yield _gauge("tokenfleet_dispatch_slots", "Room in the pool, and how much of it is in use.",
-                     {("total",): snapshot.slots, ("in_use",): snapshot.in_use}, ["state"])
-        tiers = snapshot.tiers
-        yield _gauge("tokenfleet_dispatch_queued_requests", "Requests waiting for room, by tier.",
-                     {(t,): s.queued for t, s in tiers.items()}, ["tier"])
-        yield _gauge("tokenfleet_dispatch_queued_tokens", "Tokens waiting for room, by tier.",
-                     {(t,): s.queued_tokens for t, s in tiers.items()}, ["tier"])
+        snapshots = {model: d.snapshot() for model, d in a.dispatchers.items()}
+        yield _gauge("tokenfleet_dispatch_slots", "Room in each model's pool, and how much of it is in use.",
+                     {**{(m, "total"): s.slots for m, s in snapshots.items()},
+                      **{(m, "in_use"): s.in_use for m, s in snapshots.items()}}, ["model", "state"])
+        tiers = [(m, t, ts) for m, s in snapshots.items() for t, ts in s.tiers.items()]
+        labels = ["model", "tier"]
+        yield _gauge("tokenfleet_dispatch_queued_requests", "Requests waiting for room, by model and tier.",
+                     {(m, t): s.queued for m, t, s in tiers}, labels)
+        yield _gauge("tokenfleet_dispatch_queued_tokens", "Tokens waiting for room, by model and tier.",
+                     {(m, t): s.queued_tokens for m, t, s in tiers}, labels)
         yield _gauge("tokenfleet_dispatch_tier_paused", "1 when the ladder paused the tier.",
-                     {(t,): int(s.paused) for t, s in tiers.items()}, ["tier"])
-        yield _counter("tokenfleet_dispatch_wait_seconds", "Time dispatched requests waited for room, by tier.",
-                       {(t,): s.wait_s_total for t, s in tiers.items()}, ["tier"])
-        yield _counter("tokenfleet_dispatch_tokens", "Tokens dispatched to replicas, by tier.",
-                       {(t,): s.dispatched_tokens for t, s in tiers.items()}, ["tier"])
+                     {(m, t): int(s.paused) for m, t, s in tiers}, labels)
+        yield _counter("tokenfleet_dispatch_wait_seconds", "Time dispatched requests waited for room.",
+                       {(m, t): s.wait_s_total for m, t, s in tiers}, labels)
+        yield _counter("tokenfleet_dispatch_tokens", "Tokens dispatched to replicas.",
+                       {(m, t): s.dispatched_tokens for m, t, s in tiers}, labels)
         yield _counter("tokenfleet_quota_refusals", "Requests refused by a quota, by tier and dimension.",
                        dict(a.refusals), ["tier", "reason"])
         yield _counter("tokenfleet_overload_shed", "New requests shed by the overload ladder, by tier.",

@@ -23,6 +23,7 @@ class Relay:
     disconnect_grace_s: float
     owner: str = ""  # the tenant (organisation) the request belongs to
     rate_limit_headers: dict[str, str] | None = None  # x-ratelimit-* from the quota decision
+    route: object = None  # the router's decision (router.pool.Route), for logs and usage records
     usage: dict | None = None
     last_id: int = 0
     finished: asyncio.Event = field(default_factory=asyncio.Event)
@@ -38,6 +39,9 @@ class Relay:
     async def _run(self, chunks: AsyncIterator[dict]) -> None:
         try:
             async for chunk in chunks:
+                if "retrying" in chunk:  # the replica died; the response goes on from another one
+                    await self._emit_all(self.format.retrying(chunk["retrying"]))
+                    continue
                 if chunk.get("usage"):
                     self.usage = chunk["usage"]  # the final count, or the count so far if it gets cancelled
                 await self._emit_all(self.format.chunk(chunk))

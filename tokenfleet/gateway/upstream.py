@@ -3,6 +3,7 @@ over HTTP. Both stream OpenAI chunk objects back and report their load."""
 from __future__ import annotations
 
 import json
+import time
 from typing import AsyncIterator, Protocol
 
 import httpx
@@ -10,6 +11,7 @@ import httpx
 from tokenfleet.api.errors import APIError
 from tokenfleet.replica.metrics import load_report
 from tokenfleet.replica.server import ReplicaService
+from tokenfleet.router.load import LoadReport, fetch_load
 
 PATHS = {"chat": "/v1/chat/completions", "text": "/v1/completions"}
 
@@ -20,7 +22,8 @@ class Upstream(Protocol):
     def stream(self, kind: str, body: dict) -> AsyncIterator[dict]:
         """Streams the chunks of a completion ("chat" or "text"); raises APIError if the replica rejects it."""
 
-    async def load(self) -> dict: ...
+    async def load(self) -> LoadReport:
+        """Running, waiting, queued prefill tokens, KV usage; raises LoadUnavailable when it cannot tell."""
 
 
 class InProcessUpstream:
@@ -32,14 +35,19 @@ class InProcessUpstream:
         async for chunk in self.service.chunks(stream, renderer, include_usage=True, continuous_usage=True):
             yield chunk
 
-    async def load(self) -> dict:
-        return load_report(self.service.engine.engine)
+    async def load(self) -> LoadReport:
+        report = load_report(self.service.engine.engine)
+        return LoadReport(report["running"], report["waiting"] + report["swapped"], report["queued_prefill_tokens"],
+                          report["kv_usage"], time.monotonic())
 
 
 class HttpUpstream:
-    def __init__(self, base_url: str, name: str | None = None, connect_timeout_s: float = 5.0,
-                 read_timeout_s: float = 120.0) -> None:
-        self.base_url, self.name = base_url.rstrip("/"), name or base_url
+    def __init__(self, base_url: str, name: str | None = None, kind: str = "tokenfleet",
+                 connect_timeout_s: float = 5.0, read_timeout_s: float = 30.0) -> None:
+        """kind: "tokenfleet" (load from GET /load) or "openai" (any OpenAI-compatible server; load from vLLM's
+        /metrics). read_timeout_s bounds the wait for each next piece of a stream: a hung replica fails the
+        request (which the router then continues elsewhere) instead of hanging it."""
+        self.base_url, self.name, self.kind = base_url.rstrip("/"), name or base_url, kind
         timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
         # one connection per in-flight stream: no pool cap, or streams beyond it would queue for a connection
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
@@ -59,10 +67,8 @@ class HttpUpstream:
             raise APIError(502, f"replica {self.name} failed: {e.__class__.__name__}", "server_error",
                            code="upstream_error") from e
 
-    async def load(self) -> dict:
-        response = await self.client.get("/load", timeout=2.0)
-        response.raise_for_status()
-        return response.json()
+    async def load(self) -> LoadReport:
+        return await fetch_load(self.client, self.base_url, self.kind, timeout_s=2.0)
 
     async def aclose(self) -> None:
         await self.client.aclose()

@@ -18,6 +18,7 @@ log = logging.getLogger("tokenfleet.quota")
 POLICIES = ("open", "closed")
 # what counts as "the store is down"; anything else (a bug, bad input) propagates
 UNREACHABLE = (QuotaStoreError, ConnectionError, TimeoutError)
+RETRY_PAUSE_S = 0.1  # the least time between two attempts to deliver pending reconciles
 
 
 class FailoverQuota:
@@ -28,8 +29,8 @@ class FailoverQuota:
         for tier, value in {**policy, "(default)": default_policy}.items():
             if value not in POLICIES:
                 raise ValueError(f"quota outage policy of tier {tier} must be open or closed, got {value!r}")
-        if breaker_s <= 0:
-            raise ValueError(f"breaker_s must be positive, got {breaker_s}")
+        if breaker_s < 0:
+            raise ValueError(f"breaker_s must be >= 0 (0: no pause, one probe at a time), got {breaker_s}")
         self.primary, self.fallback = primary, fallback
         self.policy, self.default_policy, self.breaker_s = dict(policy), default_policy, breaker_s
         # counters for the gateway's metrics
@@ -156,4 +157,4 @@ class FailoverQuota:
                     continue
             await self.flush_pending()
             if self._pending:
-                await asyncio.sleep(self.breaker_s)
+                await asyncio.sleep(max(self.breaker_s, RETRY_PAUSE_S))

@@ -1,0 +1,225 @@
+#!/usr/bin/env python3
+"""Quota decisions per second: how many reserve + reconcile pairs one gateway process gets through against Redis,
+and what latency a decision adds. Run by hand, never from the test suite:
+
+    python bench/quota_decisions.py                       # 300 tenants, 64 pairs in flight, 3 x 5 s, medians
+    python bench/quota_decisions.py --seconds 2 --repeats 1 --concurrency 1,64
+
+Workload: --tenants organisations with 10 users each; every pair picks a random (organisation, user), reserves
+200-2000 tokens on both scopes (the "paid" tier's default limits: generous, so nearly every request is admitted and
+the full charge path runs), then reconciles with a random 10-100 % of it. --concurrency such pairs run at once in
+one asyncio process (one RedisQuota, a pool of --pool connections). Reported per run: pairs/s (one decision and
+its settlement = two script calls), p50/p99 of the reserve and of the reconcile call, the server time per script
+call (Redis INFO commandstats, evalsha), and "other CPU": machine CPU time not used by this process or by
+redis-server during the window, as a share of all cores (other work on a shared machine; above ~0.1, rerun).
+
+Ceilings on the same machine, same concurrency:
+  memory     MemoryQuota: the same decisions in process, no network (the cost of the quota code itself)
+  redis-py   EVALSHA of a script that does nothing, same client, pool and concurrency (the client's ceiling)
+  redis-benchmark   `redis-benchmark -q -n N -c 50 -t set,get` and `... evalsha <sha of "return 1"> 0`, when
+             redis-benchmark is installed (the server's ceiling with a C client)
+Keys use a unique prefix (tfbench:quota:<uuid>:) and are deleted at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import redis
+import redis.asyncio as aioredis
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cpuprobe import _machine_busy_ticks, _tree_ticks  # noqa: E402
+
+from tokenfleet.quota import Limits, MemoryQuota, RedisQuota, Scope  # noqa: E402
+
+ORG, USER = Limits(6000, 2_000_000, 256, None), Limits(600, 200_000, 32, None)  # config.default_tiers()["paid"]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+class Window:
+    """Wall time, and CPU of the rest of the machine (not this process, not redis-server) over a timed window."""
+
+    def __init__(self, redis_pid: int | None) -> None:
+        self.redis_pid = redis_pid
+
+    def _ticks(self) -> tuple[int, int]:
+        mine = _tree_ticks(os.getpid()) + (_tree_ticks(self.redis_pid) if self.redis_pid else 0)
+        return _machine_busy_ticks(), mine
+
+    def __enter__(self) -> "Window":
+        self.t0, self.ticks0 = time.perf_counter(), self._ticks()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.perf_counter() - self.t0
+        machine, mine = (b - a for a, b in zip(self.ticks0, self._ticks()))
+        self.other_cpu = (machine - mine) / os.sysconf("SC_CLK_TCK") / (self.wall * os.cpu_count())
+
+
+async def pairs(quota, tenants: int, concurrency: int, seconds: float, seed: int) -> dict:
+    rng = random.Random(seed)
+    reserve_ms: list[float] = []
+    reconcile_ms: list[float] = []
+    refused = 0
+    deadline = time.perf_counter() + seconds
+
+    async def worker(w: int) -> None:
+        nonlocal refused
+        i = 0
+        while time.perf_counter() < deadline:
+            t, u = rng.randrange(tenants), rng.randrange(10)
+            scopes = [Scope(f"org:t{t}", f"t{t}", ORG), Scope(f"user:t{t}/{u}", f"t{t}", USER)]
+            tokens = rng.randint(200, 2000)
+            start = time.perf_counter()
+            decision = await quota.reserve(f"w{w}-{i}-{seed}", scopes, tokens, "paid")
+            mid = time.perf_counter()
+            reserve_ms.append((mid - start) * 1000)
+            i += 1
+            if not decision.allowed:
+                refused += 1
+                continue
+            await quota.reconcile(decision.reservation, int(tokens * rng.uniform(0.1, 1.0)))
+            reconcile_ms.append((time.perf_counter() - mid) * 1000)
+
+    await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    return {"decisions": len(reserve_ms), "refused": refused, "reserve_ms": reserve_ms, "reconcile_ms": reconcile_ms}
+
+
+async def raw_evalsha(url: str, pool: int, concurrency: int, seconds: float) -> dict:
+    client = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(url, max_connections=pool))
+    sha = await client.script_load("return 1")
+    latencies: list[float] = []
+    deadline = time.perf_counter() + seconds
+
+    async def worker() -> None:
+        while time.perf_counter() < deadline:
+            start = time.perf_counter()
+            await client.evalsha(sha, 0)
+            latencies.append((time.perf_counter() - start) * 1000)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    await client.aclose()
+    return {"decisions": len(latencies), "refused": 0, "reserve_ms": latencies, "reconcile_ms": []}
+
+
+def evalsha_stats(client: redis.Redis) -> tuple[int, int]:
+    stats = client.info("commandstats").get("cmdstat_evalsha", {})
+    return int(stats.get("calls", 0)), int(stats.get("usec", 0))
+
+
+def measure(kind: str, args: argparse.Namespace, concurrency: int, seed: int, sync: redis.Redis,
+            redis_pid: int | None, prefix: str) -> dict:
+    async def go() -> dict:
+        if kind == "redis-py":
+            return await raw_evalsha(args.url, args.pool, concurrency, args.seconds)
+        quota = (MemoryQuota() if kind == "memory"
+                 else RedisQuota.from_url(args.url, prefix, max_connections=args.pool))
+        try:
+            return await pairs(quota, args.tenants, concurrency, args.seconds, seed)
+        finally:
+            await quota.close()
+
+    calls0, usec0 = evalsha_stats(sync)
+    with Window(redis_pid) as window:
+        result = asyncio.run(go())
+    calls1, usec1 = evalsha_stats(sync)
+    result.update(kind=kind, concurrency=concurrency, wall=window.wall, other_cpu=window.other_cpu,
+                  server_us=(usec1 - usec0) / max(1, calls1 - calls0) if kind != "memory" else None)
+    return result
+
+
+def summarize(runs: list[dict]) -> dict:
+    med = statistics.median
+    return {
+        "kind": runs[0]["kind"], "concurrency": runs[0]["concurrency"], "runs": len(runs),
+        "per_s": med(r["decisions"] / r["wall"] for r in runs),
+        "refused": med(r["refused"] / max(1, r["decisions"]) for r in runs),
+        "reserve_p50": med(percentile(r["reserve_ms"], 0.5) for r in runs),
+        "reserve_p99": med(percentile(r["reserve_ms"], 0.99) for r in runs),
+        "reconcile_p50": med(percentile(r["reconcile_ms"], 0.5) for r in runs) if runs[0]["reconcile_ms"] else None,
+        "reconcile_p99": med(percentile(r["reconcile_ms"], 0.99) for r in runs) if runs[0]["reconcile_ms"] else None,
+        "server_us": med(r["server_us"] for r in runs) if runs[0]["server_us"] is not None else None,
+        "other_cpu": [round(r["other_cpu"], 2) for r in runs],
+    }
+
+
+def redis_benchmark(url: str, requests: int) -> list[str]:
+    if not shutil.which("redis-benchmark"):
+        return ["redis-benchmark not installed"]
+    host_port = url.split("//", 1)[1].split("/", 1)[0]
+    host, _, port = host_port.partition(":")
+    base = ["redis-benchmark", "-h", host, "-p", port or "6379", "-q", "-n", str(requests), "-c", "50"]
+    sha = redis.Redis.from_url(url).script_load("return 1")
+    lines = []
+    for extra in (["-t", "set,get"], ["evalsha", sha, "0"]):
+        out = subprocess.run(base + extra, capture_output=True, text=True, timeout=300).stdout
+        lines += [line.strip().split("\r")[-1] for line in out.splitlines() if "requests per second" in line]
+    return lines
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def report(rows: list[dict]) -> None:
+    print("| backend | in flight | pairs/s (decision + reconcile) | reserve p50 / p99 ms | reconcile p50 / p99 ms "
+          "| Redis time per script call | refused | other CPU per run |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for s in rows:
+        label = "redis-py EVALSHA `return 1` (calls/s)" if s["kind"] == "redis-py" else s["kind"]
+        print(f"| {label} | {s['concurrency']} | {s['per_s']:.0f} | {fmt(s['reserve_p50'], '.2f')} / "
+              f"{fmt(s['reserve_p99'], '.2f')} | {fmt(s['reconcile_p50'], '.2f')} / {fmt(s['reconcile_p99'], '.2f')} "
+              f"| {fmt(s['server_us'], '.1f')} us | {s['refused']:.1%} | {s['other_cpu']} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", default="redis://127.0.0.1:6379")
+    parser.add_argument("--tenants", type=int, default=300)
+    parser.add_argument("--concurrency", default="1,64", help="pairs in flight, comma separated")
+    parser.add_argument("--pool", type=int, default=16, help="Redis connections (RedisQuota.from_url default)")
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--benchmark-requests", type=int, default=200_000)
+    args = parser.parse_args()
+
+    sync = redis.Redis.from_url(args.url)
+    redis_pid = int(sync.info("server").get("process_id", 0)) or None
+    prefix = f"tfbench:quota:{uuid.uuid4().hex}:"
+    rows = []
+    try:
+        for concurrency in (int(c) for c in args.concurrency.split(",")):
+            for kind in ("redis", "memory", "redis-py"):
+                runs = [measure(kind, args, concurrency, seed, sync, redis_pid, prefix) for seed in range(args.repeats)]
+                rows.append(summarize(runs))
+                print(f"# {kind} x{concurrency}: {rows[-1]['per_s']:.0f}/s", file=sys.stderr, flush=True)
+    finally:
+        keys = list(sync.scan_iter(match=prefix + "*", count=5000))
+        for i in range(0, len(keys), 1000):
+            sync.delete(*keys[i:i + 1000])
+    print(f"python {sys.version.split()[0]}, redis-py {redis.__version__}, redis-server "
+          f"{sync.info('server')['redis_version']}, {os.cpu_count()} cores, {args.tenants} tenants x 10 users, "
+          f"pool {args.pool}, {args.repeats} x {args.seconds:g} s per row (medians)\n")
+    report(rows)
+    print("\nredis-benchmark (-c 50, C client):")
+    for line in redis_benchmark(args.url, args.benchmark_requests):
+        print(f"    {line}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""The replicas of one model, across its pools (regions): which are in, which are healthy or draining, how busy
+each is, and the choice of one for a request — the nearest pool with free capacity, then the routing policy
+(cache-aware with bounded load by default) inside it."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from tokenfleet.router.catalog import ModelSpec
+from tokenfleet.router.health import HealthTracker
+from tokenfleet.router.load import LoadReport
+from tokenfleet.router.policy import Choice, NoReplicaAvailable, ReplicaState, RoutingPolicy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Replica:
+    name: str
+    url: str
+    pool: str
+    kind: str  # tokenfleet | openai
+    upstream: object  # gateway.upstream.Upstream
+    state: ReplicaState
+    draining: bool = False  # takes no new requests; in-flight ones finish
+
+
+@dataclass
+class Route:
+    """One routing decision, kept for the request's log line and its usage record."""
+
+    model: str
+    replica: str
+    pool: str
+    reason: str
+    matched_blocks: int
+    skipped: int = 0
+    rule: str | None = None
+    attempt: int = 1
+
+    def describe(self) -> str:
+        rule = f" rule={self.rule}" if self.rule else ""
+        return (f"model={self.model}{rule} pool={self.pool} replica={self.replica} reason={self.reason} "
+                f"cached_blocks={self.matched_blocks} skipped={self.skipped} attempt={self.attempt}")
+
+
+@dataclass
+class ModelPools:
+    spec: ModelSpec
+    health: HealthTracker
+    policy: RoutingPolicy
+    slots_per_replica: int
+    replicas: dict[str, Replica] = field(default_factory=dict)
+    latency_ms: dict[str, float] = field(default_factory=dict)  # pool -> latency from this gateway
+
+    def __post_init__(self) -> None:
+        self.latency_ms = {p.name: p.latency_ms for p in self.spec.pools}
+
+    def add(self, name: str, url: str, pool: str, kind: str, make_upstream: Callable[[str, str], object]) -> None:
+        if name in self.replicas:
+            return
+        self.replicas[name] = Replica(name, url, pool, kind, make_upstream(url, name), ReplicaState(name))
+        self.latency_ms.setdefault(pool, 0.0)
+        self.health.add(name, url, pool)
+        log.info("replica %s (%s) joined %s/%s", name, url, self.spec.name, pool)
+
+    def remove(self, name: str) -> Replica | None:
+        replica = self.replicas.pop(name, None)
+        if replica is not None:
+            self.health.remove(name)
+            self.policy.forget(name)
+            log.info("replica %s left %s", name, self.spec.name)
+        return replica
+
+    def set_draining(self, name: str, draining: bool = True) -> bool:
+        replica = self.replicas.get(name)
+        if replica is None:
+            return False
+        if replica.draining == draining:
+            return True
+        replica.draining = draining
+        log.info("replica %s %s", name, "draining: no new requests" if draining else "back in rotation")
+        return True
+
+    def update_load(self, name: str, report: LoadReport) -> None:
+        replica = self.replicas.get(name)
+        if replica is not None:
+            s = replica.state
+            s.running, s.waiting, s.queued_tokens, s.kv_usage = (report.running, report.waiting,
+                                                                 report.queued_tokens, report.kv_usage)
+
+    def choose(self, token_ids: Sequence[int], affinity: str | None = None,
+               exclude: Sequence[str] = ()) -> tuple[Replica, Choice]:
+        """The nearest pool that has a healthy replica with room; inside it, the policy's choice."""
+        usable = [r for r in self.replicas.values() if not r.draining and r.name not in exclude
+                  and self.health.available(r.name)]
+        if not usable:
+            raise NoReplicaAvailable(f"no healthy replica of {self.spec.name}")
+        for pool in self._pools_nearest_first(usable):
+            members = [r for r in usable if r.pool == pool]
+            if any(r.state.load() < self.slots_per_replica for r in members) or pool == self._last_resort(usable):
+                choice = self.policy.choose([r.state for r in members], token_ids, affinity)
+                replica = self.replicas[choice.replica]
+                self.health.begin_request(replica.name)
+                return replica, choice
+        raise NoReplicaAvailable(f"no healthy replica of {self.spec.name}")  # unreachable: last resort chooses
+
+    def _pools_nearest_first(self, usable: list[Replica]) -> list[str]:
+        return sorted({r.pool for r in usable}, key=lambda p: (self.latency_ms.get(p, 0.0), p))
+
+    def _last_resort(self, usable: list[Replica]) -> str:
+        """When every pool is full: the one with the most room left (then the nearest)."""
+        def room(pool: str) -> float:
+            members = [r for r in usable if r.pool == pool]
+            return sum(self.slots_per_replica - r.state.load() for r in members) / len(members)
+        return max(self._pools_nearest_first(usable), key=room)
+
+    def started(self, replica: Replica) -> None:
+        replica.state.in_flight += 1
+
+    def finished(self, replica: Replica, failure: str | None = None, ttft_s: float | None = None) -> None:
+        replica.state.in_flight -= 1
+        if failure is None:
+            self.health.record_success(replica.name, ttft_s)
+        elif failure == "cancelled":
+            self.health.release(replica.name)
+        else:
+            self.health.record_failure(replica.name, failure)
+
+    def snapshot(self) -> list[dict]:
+        health = self.health.snapshot()
+        return [{"name": r.name, "url": r.url, "pool": r.pool, "kind": r.kind, "draining": r.draining,
+                 "in_flight": r.state.in_flight, "load": round(r.state.load(), 3),
+                 "health": health.get(r.name, {}).get("state")} for r in self.replicas.values()]

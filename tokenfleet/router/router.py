@@ -1,0 +1,169 @@
+"""The fleet as the gateway sees it: every model's pools and replicas (configured, or joining and leaving through
+the Redis registry), their load and health kept fresh in the background, canary and shadow traffic."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+from tokenfleet.router.catalog import ModelCatalog, RequestFacts, Resolution
+from tokenfleet.router.health import HealthSettings, HealthTracker
+from tokenfleet.router.load import LoadUnavailable
+from tokenfleet.router.policy import CacheAwarePolicy, LeastLoadedPolicy, RoundRobinPolicy
+from tokenfleet.router.pool import ModelPools
+
+log = logging.getLogger(__name__)
+POLICIES = {"cache_aware": CacheAwarePolicy, "least_loaded": LeastLoadedPolicy, "round_robin": RoundRobinPolicy}
+
+
+@dataclass
+class Canary:
+    """A share of the requests for `model` (a version or an alias) goes to the `version` under test, per tier."""
+
+    model: str
+    version: str
+    percent: dict[str, float] = field(default_factory=dict)  # tier -> percent; "default" for the others
+
+    def share(self, tier: str) -> float:
+        return self.percent.get(tier, self.percent.get("default", 0.0)) / 100.0
+
+
+@dataclass
+class Shadow:
+    """A copy of `percent`% of the requests for `model` also goes to `candidate`; its output is discarded and its
+    latency recorded beside the primary's."""
+
+    model: str
+    candidate: str
+    percent: float = 100.0
+
+
+@dataclass
+class RoutingSettings:
+    policy: str = "cache_aware"
+    load_bound: float = 1.25  # a cached replica above this x the pool's average load is passed over
+    block_size: int = 16  # must match the replicas' engine block size for prefix hashes to agree
+    load_interval_s: float = 1.0
+    max_retries: int = 2  # a replica dying mid-response: the request continues on another, this many times
+    replica_timeout_s: float = 30.0  # longest wait for a replica's next byte: a hung replica fails the attempt
+    register_prefix: str = "tokenfleet:replicas:"  # the Redis replica registry (when the fleet has redis_url)
+    health: HealthSettings = field(default_factory=HealthSettings)
+    rules: dict[str, list] = field(default_factory=dict)  # routing alias -> rules (see catalog.RoutingRule)
+    canary: list[Canary] = field(default_factory=list)
+    shadow: list[Shadow] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.load_bound < 1.0 or self.block_size < 1 or self.max_retries < 0 or self.load_interval_s <= 0:
+            raise ValueError("load_bound >= 1, block_size >= 1, max_retries >= 0 and load_interval_s > 0 please")
+        for canary in self.canary:
+            if any(not 0 <= p <= 100 for p in canary.percent.values()):
+                raise ValueError(f"canary {canary.model}: percentages go from 0 to 100")
+
+
+class Router:
+    def __init__(self, catalog: ModelCatalog, settings: RoutingSettings, slots_per_replica: int,
+                 make_upstream: Callable[[str, str, str], object]) -> None:
+        self.catalog, self.settings = catalog, settings
+        self.health = HealthTracker(settings.health)
+        self.make_upstream = make_upstream  # (url, name, kind) -> Upstream
+        self.models = {name: ModelPools(spec, self.health, self._policy(), slots_per_replica)
+                       for name, spec in catalog.models.items()}
+        for canary in settings.canary:
+            if catalog.lookup(canary.model) is None or catalog.lookup(canary.version) is None:
+                raise ValueError(f"canary names an unknown model: {canary.model} / {canary.version}")
+        for shadow in settings.shadow:
+            if catalog.lookup(shadow.model) is None or catalog.lookup(shadow.candidate) is None:
+                raise ValueError(f"shadow names an unknown model: {shadow.model} / {shadow.candidate}")
+
+    def _policy(self):
+        if self.settings.policy == "cache_aware":
+            return CacheAwarePolicy(self.settings.block_size, self.settings.load_bound)
+        return POLICIES[self.settings.policy]()
+
+    def add_configured_replicas(self) -> None:
+        for name, pools in self.models.items():
+            for pool in pools.spec.pools:
+                for url in pool.replicas:
+                    pools.add(url, url, pool.name, pool.kind, lambda u, n, k=pool.kind: self.make_upstream(u, n, k))
+
+    # --- choosing the model -----------------------------------------------------------------------------------
+
+    def resolve(self, requested: str, facts: RequestFacts, tier: str, request_id: str) -> Resolution:
+        """The model a request runs on: its name or alias, product rules for routing aliases, then a canary."""
+        resolution = self.catalog.resolve(requested, facts)
+        for canary in self.settings.canary:  # a request that pins a version is never moved
+            if requested == canary.model and _draw(request_id, "canary") < canary.share(tier):
+                version = self.catalog.lookup(canary.version)
+                return Resolution(version, requested, f"canary:{canary.version}", version.deprecated_on)
+        return resolution
+
+    def shadow_for(self, model_name: str, request_id: str) -> str | None:
+        for shadow in self.settings.shadow:
+            if self.catalog.lookup(shadow.model).name == model_name and \
+                    _draw(request_id, "shadow") < shadow.percent / 100.0:
+                return self.catalog.lookup(shadow.candidate).name
+        return None
+
+    def pools_for(self, model_name: str) -> ModelPools:
+        """The model's pools; when none of its replicas can take work, its fallback model's."""
+        pools = self.models[model_name]
+        fallback = pools.spec.fallback
+        if fallback and not any(self.health.available(r) for r in pools.replicas):
+            log.warning("model %s has no healthy replica: using its fallback %s", model_name, fallback)
+            return self.models[fallback]
+        return pools
+
+    # --- keeping the picture fresh -----------------------------------------------------------------------------
+
+    async def refresh_loads(self) -> None:
+        """Every interval: each replica's load report (ours: /load; external: vLLM's /metrics)."""
+        while True:
+            replicas = [(pools, r) for pools in self.models.values() for r in list(pools.replicas.values())]
+            reports = await asyncio.gather(*(r.upstream.load() for _, r in replicas), return_exceptions=True)
+            for (pools, replica), report in zip(replicas, reports):
+                if isinstance(report, LoadUnavailable):
+                    if report.reason in ("connect", "timeout", "5xx"):
+                        self.health.record_failure(replica.name, report.reason, "load report")
+                elif isinstance(report, BaseException):
+                    log.warning("load report of %s failed: %r", replica.name, report)
+                else:
+                    pools.update_load(replica.name, report)
+            await asyncio.sleep(self.settings.load_interval_s)
+
+    def on_registry_change(self, joined, left) -> None:
+        """Replicas registered in Redis join their model's pools; expired or withdrawn ones leave. A record that
+        changed in place (it started draining) comes as left + joined and is updated, not re-added."""
+        changed = {record.name for record in joined}
+        for record in left:
+            pools = self._pools_of(record.model)
+            if pools is not None and record.name not in changed:
+                pools.remove(record.name)
+        for record in joined:
+            pools = self._pools_of(record.model)
+            if pools is None:
+                log.warning("replica %s serves %s, which this fleet does not know; ignored", record.url,
+                            record.model)
+                continue
+            pools.add(record.name, record.url, record.pool, record.kind,
+                      lambda u, n, k=record.kind: self.make_upstream(u, n, k))
+            pools.set_draining(record.name, record.draining)
+
+    def _pools_of(self, model: str) -> ModelPools | None:
+        spec = self.catalog.lookup(model)
+        return self.models.get(spec.name) if spec is not None else None
+
+    def queued_tokens(self) -> int:
+        return sum(r.state.queued_tokens for pools in self.models.values() for r in pools.replicas.values())
+
+    def snapshot(self) -> dict:
+        return {name: pools.snapshot() for name, pools in self.models.items()}
+
+
+def _draw(request_id: str, purpose: str) -> float:
+    """A number in [0, 1) fixed by the request id: the same request always lands on the same side of a split."""
+    digest = hashlib.blake2b(f"{purpose}:{request_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64

@@ -4,8 +4,8 @@ through the real server, with and without the gateway's fair queueing.
 
 Run by hand, never from the test suite:
 
-    python bench/fair_share.py --duration 10 --warmup 3 --light-alone 5 --out ''      # quick check
-    python bench/fair_share.py                                                       # report (about 4 minutes)
+    python bench/fair_share.py --duration 10 --warmup 3 --light-alone 5 --small-quantum-duration 5 --out ''
+    python bench/fair_share.py --snapshot-code      # the report: about 5 minutes, plus any wait for idle CPUs
 
 Server: `python -m tokenfleet serve --auth --config fleet.yaml --database-url sqlite:///RUN_DIR/...` on the demo
 checkpoint (`tokenfleet demo-model --size small`, regenerated under --ckpt-root), one process (gateway + in-process
@@ -355,6 +355,7 @@ def summarize(run: dict, tenants: dict, duration: float) -> dict:
             "completion_tokens": sum(r["completion_tokens"] for r in mine),
             "tok_s": tokens / duration, "share": tokens / total if total else 0.0,
             "wait": _stats([r["headers"] - r["send"] for r in mine]),
+            "wait_under_1s": (sum(1 for r in mine if r["headers"] - r["send"] < 1.0) / len(mine)) if mine else None,
             "ttft": _stats([r["first"] - r["send"] for r in mine]),
             "tpot": _stats(tpot), "e2e": _stats([r["end"] - r["send"] for r in mine]),
             "failed": sum(1 for r in inside if r["tenant"] == tenant and r["error"] is not None),
@@ -411,6 +412,26 @@ def summarize(run: dict, tenants: dict, duration: float) -> dict:
         "scrapes": len(scrapes), "errors": errors, "failed_in_window": len(inside) - len(ok),
         "others_cpu": run["marks"].get("others_cpu"), "cpu_busy_before": run["busy_before"],
         "drain_s": run["drain_s"]}
+
+
+def resummarize(rep: dict) -> None:
+    """Redo each phase's analysis from the raw records the run directory still holds (so a rerendered report gets
+    the current analysis); phases whose raw file is gone keep their stored summary."""
+    run_dir = Path(rep["run_dir"])
+    all_tenants = {t: tuple(v) for t, v in rep["workload"]["tenants"].items()}
+    for srv in rep["servers"]:
+        for phase, old in srv.get("phases", {}).items():
+            raw = run_dir / f"requests_{phase}.json"
+            if not raw.exists():
+                continue
+            data = json.loads(raw.read_text())
+            if "marks" not in data:
+                continue
+            tenants = {t: all_tenants[t] for t in old["tenants_clients"]}
+            run = {**data, "busy_before": old.get("cpu_busy_before"), "drain_s": old.get("drain_s")}
+            new = summarize(run, tenants, old["window_s"])
+            new.update({k: old[k] for k in ("label", "slots", "warmup_s", "tenants_clients")})
+            srv["phases"][phase] = new
 
 
 def _print_phase(name: str, s: dict) -> None:
@@ -538,6 +559,10 @@ def _ms(x, nd: int = 0) -> str:
     return "—" if x is None else f"{1e3 * x:.{nd}f}"
 
 
+def _num(x) -> str:
+    return "—" if x is None else f"{x:g}"
+
+
 def _pc(x, nd: int = 1) -> str:
     return "—" if x is None else f"{100 * x:.{nd}f}%"
 
@@ -552,7 +577,9 @@ def write_report(path: Path, rep: dict) -> None:
     L = [f"# Fair share under a skewed multi-tenant load — {rep['date']}", "",
          f"Command: `{rep['command']}`", "",
          f"Machine: {m['cores']} cores ({m['cpu']}), {m['memory']} RAM, torch threads {m['threads_used']}; Python "
-         f"{m['python']}; versions: " + ", ".join(f"{k} {v}" for k, v in rep["versions"].items()), ""]
+         f"{m['python']}; versions: " + ", ".join(
+             f"{k} {'(the snapshot below)' if k == 'tokenfleet' and rep.get('code_snapshot') else v}"
+             for k, v in rep["versions"].items()), ""]
     snap = rep.get("code_snapshot")
     if snap:
         L += [f"Code: every server ran a copy of `tokenfleet/` taken at {snap['taken']} (git {snap.get('head')} plus "
@@ -619,8 +646,8 @@ def write_report(path: Path, rep: dict) -> None:
     L.append("")
     if fair and "paid-light" in fair["tenants"]:
         L += ["## Paid tier: heavy vs light", "",
-              "| tenant, run | clients | tok/s | share of paid tier | queue wait p50 / p99 | TTFT p50 / p99 | "
-              "TPOT p50 |", "|---|---:|---:|---:|---:|---:|---:|"]
+              "| tenant, run | clients | tok/s | share of paid tier | queue wait p50 / p99 | requests queued < 1 s | "
+              "TTFT p50 / p99 | TPOT p50 |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
         rows = [("paid-heavy", fair, "fair run"), ("paid-light", fair, "fair run"),
                 ("paid-light", alone, "alone"),
                 ("paid-heavy", small, f"fair run, quantum {w['small_quantum']}"),
@@ -632,7 +659,8 @@ def write_report(path: Path, rep: dict) -> None:
             v = s["tenants"][t]
             paid = sum(x["tokens"] for x in s["tenants"].values() if x["tier"] == "paid")
             L.append(f"| {t}, {lab} | {v['clients']} | {v['tok_s']:.0f} | {_pc(v['tokens'] / paid if paid else None)} "
-                     f"| {_ms(v['wait']['p50'])} / {_ms(v['wait']['p99'])} | {_ms(v['ttft']['p50'])} / "
+                     f"| {_ms(v['wait']['p50'])} / {_ms(v['wait']['p99'])} | {_pc(v.get('wait_under_1s'), 0)} | "
+                     f"{_ms(v['ttft']['p50'])} / "
                      f"{_ms(v['ttft']['p99'])} | {_ms(v['tpot']['p50'], 1)} |")
         L.append("")
     L += ["## Run health", "",
@@ -647,9 +675,10 @@ def write_report(path: Path, rep: dict) -> None:
         oc = _pc(s["others_cpu"], 0) + (" ⚠" if (s["others_cpu"] or 0) > CONTENDED else "")
         err = "; ".join(f"{k} ×{v}" for k, v in s["errors"].items())
         L.append(f"| {s['label']} | {s['window_s']:g} | {s['tok_s']:.0f} | {s['completion_tok_s']:.0f} | "
-                 f"{s['requests']} | {s['overload_level_max']} | {s['quota_refusals']} | {s['shed']} | "
-                 f"{f1(s['slots_in_use_mean'])} | {f1(s['gateway_queued_mean'])} | {f1(s['engine_running_mean'])} / "
-                 f"{f1(s['engine_waiting_mean'])} | {oc} | {s['failed_in_window']} {err[:150]} |")
+                 f"{s['requests']} | {_num(s['overload_level_max'])} | {_num(s['quota_refusals'])} | "
+                 f"{_num(s['shed'])} | {f1(s['slots_in_use_mean'])} | {f1(s['gateway_queued_mean'])} | "
+                 f"{f1(s['engine_running_mean'])} / {f1(s['engine_waiting_mean'])} | {oc} | "
+                 f"{s['failed_in_window']} {err[:150]} |")
     L += ["", "## Servers", ""]
     for srv in rep["servers"]:
         L.append(f"- **{srv['server']}** (slots_per_replica {srv['slots']}"
@@ -658,6 +687,9 @@ def write_report(path: Path, rep: dict) -> None:
                  f"`{json.dumps(srv.get('fleet_yaml', {}))}`"
                  + (f"; ready after {srv['ready_s']:.1f} s incl. warm-up" if srv.get("ready_s") else "")
                  + (f"; **failed: {srv['error']}**" if srv.get("error") else "") + ".")
+    if rep.get("reading"):
+        L += ["", "## Reading", ""] + [x for paragraph in rep["reading"] for x in (paragraph, "")]
+        L.append("(Written after the run and added with `--rerender ... --reading ...`; the tables are the run's.)")
     if rep.get("notes"):
         L += ["", "## Notes", ""] + [f"- {n}" for n in rep["notes"]]
     L += ["", "Methodology: see the docstring of `bench/fair_share.py`; raw per-request records, /metrics scrapes, "
@@ -718,6 +750,8 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="docs/benchmarks/fair_share.md", help="'' = no report files")
     p.add_argument("--run-dir", help="where logs, fleet.yaml files and raw records go (default: a new temp dir)")
     p.add_argument("--note", action="append", default=[], help="a line for the report's notes (repeatable)")
+    p.add_argument("--reading", action="append", default=[],
+                   help="with --rerender: a paragraph for the report's Reading section (repeatable; replaces it)")
     p.add_argument("--rerender", metavar="JSON",
                    help="do not run anything: rewrite the markdown from a previous run's JSON (plus any --note lines)")
     args = p.parse_args(argv)
@@ -726,6 +760,9 @@ def main(argv=None) -> None:
         src = Path(args.rerender)
         rep = json.loads(src.read_text())
         rep["notes"] = rep.get("notes", []) + args.note
+        if args.reading:
+            rep["reading"] = args.reading
+        resummarize(rep)
         write_report(src.with_suffix(".md"), rep)
         return
     try:
@@ -740,6 +777,7 @@ def main(argv=None) -> None:
     print(f"checkpoint: {model_dir} ({source}; {info['parameters'] / 1e6:.1f}M params)")
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="tokenfleet-fair-"))
     run_dir.mkdir(parents=True, exist_ok=True)
+    versions_at_start = versions()  # the tree may change (commits by others) while the run goes on
     snapshot = snapshot_code(run_dir) if args.snapshot_code else None
     args.code_root = Path(snapshot["dir"]) if snapshot else None
     if snapshot:
@@ -776,7 +814,7 @@ def main(argv=None) -> None:
                 notes.append(f"{s['quota_refusals']:.0f} quota refusals during the {s['label']} window.")
     if args.out:
         rep = {"date": _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"), "command": command,
-               "machine": machine_info(args), "versions": versions(),
+               "machine": machine_info(args), "versions": versions_at_start,
                "checkpoint": {"dir": str(model_dir), "source": source, "info": info},
                "workload": {"tenants": tenants, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                             "duration": args.duration, "warmup": args.warmup, "light_alone": args.light_alone,

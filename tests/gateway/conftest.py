@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,17 +88,22 @@ def fleet(demo_model_dir, tmp_path_factory):
         drop_postgres_database(database)
 
 
-@pytest.fixture(scope="session")
-def embedded(demo_model_dir, tmp_path_factory):
-    """`tokenfleet serve --auth`: one process, keys in an SQLite file, quotas in memory."""
-    logs = tmp_path_factory.mktemp("embedded")
-    (logs / "fleet.yaml").write_text(yaml.safe_dump(TENANCY))
+@contextmanager
+def serving_with_auth(model_dir, logs: Path, config: dict):
+    """`tokenfleet serve --auth` with `config` as its fleet file: one process, keys in SQLite, quotas in memory."""
+    (logs / "fleet.yaml").write_text(yaml.safe_dump(config))
     port = free_port()
-    args = ["serve", "--model", str(demo_model_dir), "--port", str(port), "--served-model-name", MODEL,
+    args = ["serve", "--model", str(model_dir), "--port", str(port), "--served-model-name", MODEL,
             "--kv-cache-gib", "0.05", "--max-model-len", "512", "--auth", "--config", str(logs / "fleet.yaml"),
             "--database-url", f"sqlite:///{logs / 'tenants.db'}"]
     with running_process(args, f"http://127.0.0.1:{port}/health", logs / "serve.log"):
-        yield with_tenants(Platform(f"http://127.0.0.1:{port}", "embedded", logs / "serve.log"))
+        yield Platform(f"http://127.0.0.1:{port}", "embedded", logs / "serve.log")
+
+
+@pytest.fixture(scope="session")
+def embedded(demo_model_dir, tmp_path_factory):
+    with serving_with_auth(demo_model_dir, tmp_path_factory.mktemp("embedded"), TENANCY) as platform:
+        yield with_tenants(platform)
 
 
 @pytest.fixture(params=["embedded", "fleet"])

@@ -6,6 +6,7 @@ from tokenfleet.gateway.gateway import Gateway, ModelInfo
 from tokenfleet.gateway.main import build_gateway
 from tokenfleet.gateway.resume import MemoryResumeBuffer
 from tokenfleet.model.tokenizer import Tokenizer
+from tokenfleet.router.catalog import ModelSpec
 
 MODEL = "tiny"
 
@@ -22,4 +23,19 @@ def inprocess_gateway(model_dir, upstreams: list, open_tier: str = "local", buff
         gateway.router.models[MODEL].add(upstream.name, "", "default", "tokenfleet", lambda url, name, u=upstream: u)
     if quota is not None:
         gateway.admission.quota = quota
+    return gateway
+
+
+def multi_model_gateway(model_dir, replicas: dict[str, list], open_tier: str = "local", **config) -> Gateway:
+    """Several models (all on the same checkpoint), `replicas[name]` serving each; `config` are FleetConfig
+    fields (overload, routing, ...)."""
+    tokenizer = Tokenizer.from_dir(model_dir)
+    specs = [ModelSpec(name, str(model_dir)) for name in replicas]
+    fleet = FleetConfig(models=specs, **config)
+    infos = {name: ModelInfo(name, tokenizer, 512) for name in replicas}
+    gateway, _ = build_gateway(fleet, infos, lambda url, name, kind: None, open_tier, MemoryResumeBuffer())
+    for model, upstreams in replicas.items():
+        for upstream in upstreams:
+            gateway.router.models[model].add(upstream.name, "", "default", "tokenfleet",
+                                             lambda url, name, u=upstream: u)
     return gateway

@@ -8,7 +8,9 @@ import time
 
 import httpx
 
-from tests.gateway.inprocess import inprocess_gateway
+from tests.gateway.inprocess import inprocess_gateway, multi_model_gateway
+from tokenfleet.dispatch.overload import OverloadSettings
+from tokenfleet.router.router import RoutingSettings, Shadow
 from tokenfleet.config import default_tiers
 from tokenfleet.gateway.app import Gateway, create_gateway_app
 from tokenfleet.quota.failover import FailoverQuota
@@ -22,8 +24,8 @@ class RecordingUpstream:
     name = "recording"
     kind = "tokenfleet"
 
-    def __init__(self, count: int = 3, fail: bool = False) -> None:
-        self.count, self.fail, self.bodies = count, fail, []
+    def __init__(self, count: int = 3, fail: bool = False, name: str = "recording") -> None:
+        self.count, self.fail, self.bodies, self.name = count, fail, [], name
 
     async def stream(self, kind: str, body: dict):
         self.bodies.append(body)
@@ -49,6 +51,37 @@ async def post(gw: Gateway, **extra) -> httpx.Response:
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
         return await client.post("/v1/chat/completions", json={
             "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, **extra})
+
+
+def test_under_overload_free_requests_move_to_the_smaller_model_with_a_cap(demo_model_dir):
+    async def scenario():
+        big, small = RecordingUpstream(name="big-1"), RecordingUpstream(name="small-1")
+        gw = multi_model_gateway(demo_model_dir, {"big": [big], "small": [small]}, open_tier="free",
+                                 overload=OverloadSettings(free_model="small", free_max_tokens=2))
+        assert (await post(gw, model="big", max_tokens=50)).headers["x-tokenfleet-model"] == "big"
+        gw.admission.ladder.level = 2  # step 2 of the ladder
+        moved = await post(gw, model="big", max_tokens=50)
+        assert moved.status_code == 200 and moved.headers["x-tokenfleet-model"] == "small"
+        assert small.bodies[-1]["model"] == "small" and small.bodies[-1]["max_tokens"] == 2
+        assert len(big.bodies) == 1
+    asyncio.run(scenario())
+
+
+def test_shadow_traffic_copies_the_prompt_and_records_the_candidates_latency(demo_model_dir):
+    async def scenario():
+        primary, candidate = RecordingUpstream(name="p"), RecordingUpstream(name="c")
+        gw = multi_model_gateway(demo_model_dir, {"tiny": [primary], "next": [candidate]},
+                                 routing=RoutingSettings(shadow=[Shadow("tiny", "next", 100)]))
+        response = await post(gw)
+        assert response.json()["choices"][0]["message"]["content"] == "t0t1t2", "the primary answers"
+        for _ in range(100):
+            if candidate.bodies and b'what="ttft"' in gw.render_metrics():
+                break
+            await asyncio.sleep(0.01)
+        assert candidate.bodies[0]["model"] == "next"
+        assert candidate.bodies[0]["messages"] == primary.bodies[0]["messages"]
+        assert b'tokenfleet_shadow_latency_seconds_count{model="next",what="ttft"} 1.0' in gw.render_metrics()
+    asyncio.run(scenario())
 
 
 def test_the_tier_sets_the_engine_priority_not_the_client(demo_model_dir):

@@ -56,3 +56,17 @@ def test_tiers_override_defaults_and_add_new_ones(tmp_path):
     assert tiers["free"].weight == 3 and tiers["free"].user_limits.tokens_per_minute == 500
     assert tiers["free"].user_limits.requests_per_minute is None, "a tier given replaces the default whole"
     assert set(tiers) == {"enterprise", "paid", "free", "batch", "gold"}
+
+
+def test_the_multi_model_example_loads_and_its_catalog_resolves():
+    import datetime as dt
+
+    from tokenfleet.router.catalog import ModelCatalog, RequestFacts
+
+    config = FleetConfig.load(EXAMPLE.parent / "fleet.models.example.yaml")
+    catalog = ModelCatalog(config.served_models(), config.routing.rules, today=lambda: dt.date(2026, 11, 30))
+    assert catalog.resolve("chat-large", RequestFacts(10)).model.name == "chat-large-2026-11-01"
+    assert catalog.resolve("auto", RequestFacts(5000)).rule == "long-context"
+    assert catalog.resolve("auto", RequestFacts(10, mode="fast")).model.name == "chat-small-2026-10-01"
+    assert catalog.resolve("chat-large-2026-06-01", RequestFacts(10)).deprecation is not None
+    assert config.served_models()[2].pools[0].kind == "openai"

@@ -8,10 +8,12 @@ import time
 import httpx
 import openai
 import redis
+import yaml
 
 from tests.gateway.conftest import MODEL, replica_args
 from tests.gateway.test_serve import parse_events, stream_body, text_of
 from tests.servers import free_port, running_process
+
 
 def test_sdk_through_the_gateway_spreads_over_replicas(fleet):
     client = openai.OpenAI(base_url=f"{fleet.base}/v1", api_key=fleet.keys["paid"], max_retries=0)
@@ -77,3 +79,24 @@ def refuses_new_connections(url: str, within_s: float = 2.0) -> bool:
             pass
         time.sleep(0.02)
     return False
+
+
+def test_gateway_drains_on_sigterm(fleet, tmp_path):
+    """A second gateway over the same fleet: SIGTERM stops new connections, the stream in flight runs to its end."""
+    config = yaml.safe_load((fleet.log.parent / "fleet.yaml").read_text())
+    port = free_port()
+    config.update({"port": port, "drain_timeout_s": 20})
+    (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(config))
+    base = f"http://127.0.0.1:{port}"
+    with running_process(["gateway", "--config", str(tmp_path / "fleet.yaml")], f"{base}/health",
+                         tmp_path / "gateway.log") as proc:
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=stream_body(300),
+                          headers=fleet.auth("paid"), timeout=60) as response:
+            lines = response.iter_lines()
+            first = [next(lines)]
+            proc.send_signal(signal.SIGTERM)
+            refused = refuses_new_connections(f"{base}/health")
+            events = parse_events(first + list(lines))
+        assert refused, "the draining gateway still accepted a new connection"
+        assert events[-1][1] == "[DONE]" and len([e for e in events if e[1] != "[DONE]"]) >= 300
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)

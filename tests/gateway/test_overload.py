@@ -9,10 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-import yaml
 
-from tests.gateway.conftest import ADMIN_KEY, MODEL, Platform
-from tests.servers import free_port, metric, running_process
+from tests.gateway.conftest import ADMIN_KEY, MODEL, Platform, serving_with_auth
+from tests.servers import metric
 
 OVERLOAD = {"admin_key": ADMIN_KEY,
             "dispatch": {"slots_per_replica": 1, "load_interval_s": 0.1, "prefill_tokens_per_s": 100},
@@ -21,14 +20,7 @@ OVERLOAD = {"admin_key": ADMIN_KEY,
 
 @pytest.fixture(scope="module")
 def crowded(demo_model_dir, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("overload")
-    (logs / "fleet.yaml").write_text(yaml.safe_dump(OVERLOAD))
-    port = free_port()
-    args = ["serve", "--model", str(demo_model_dir), "--port", str(port), "--served-model-name", MODEL,
-            "--kv-cache-gib", "0.05", "--max-model-len", "512", "--auth", "--config", str(logs / "fleet.yaml"),
-            "--database-url", f"sqlite:///{logs / 'tenants.db'}"]
-    with running_process(args, f"http://127.0.0.1:{port}/health", logs / "serve.log"):
-        platform = Platform(f"http://127.0.0.1:{port}", "embedded", logs / "serve.log")
+    with serving_with_auth(demo_model_dir, tmp_path_factory.mktemp("overload"), OVERLOAD) as platform:
         platform.keys = {tier: platform.new_key(f"{tier}-org", "u", tier) for tier in ("paid", "free", "batch")}
         yield platform
 

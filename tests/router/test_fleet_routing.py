@@ -87,6 +87,12 @@ def body(model: str, max_tokens: int, content: str = "Tell me a story", **extra)
             "temperature": 0, "ignore_eos": True, **extra}
 
 
+def sdk(model: str, max_tokens: int) -> dict:
+    """body() as keyword arguments of the openai SDK (vLLM's ignore_eos goes in extra_body)."""
+    return {"model": model, "messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": max_tokens,
+            "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
 def serving(fleet, among: range) -> int:
     """Which replica (index) is running a request now."""
     for i in among:
@@ -153,7 +159,7 @@ def test_a_replica_killed_mid_stream_hands_the_response_to_another(fleet):
     # the dead replica is ejected; new requests keep working on the survivor
     client = openai.OpenAI(base_url=f"{fleet['base']}/v1", api_key=fleet["key"], max_retries=0)
     for _ in range(3):
-        assert client.chat.completions.create(**body(V1, 4)).usage.completion_tokens == 4
+        assert client.chat.completions.create(**sdk(V1, 4)).usage.completion_tokens == 4
 
 
 def test_canary_takes_its_share_and_pinned_versions_stay(fleet):
@@ -178,10 +184,10 @@ def test_versions_aliases_and_deprecation(fleet):
     listed = {m.id for m in client.models.list()}
     assert {V1, V2, "tiny"} <= listed
     with pytest.raises(openai.NotFoundError) as gone:
-        client.chat.completions.create(**body(OLD, 2))
+        client.chat.completions.create(**sdk(OLD, 2))
     assert "deprecated" in str(gone.value)
     with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(**body("tiny-1999", 2))
+        client.chat.completions.create(**sdk("tiny-1999", 2))
 
 
 def test_a_conversation_finds_its_replica_cache_again(fleet):
@@ -251,7 +257,7 @@ def test_an_unreachable_replica_is_ejected_and_the_gateway_keeps_serving(demo_mo
                          headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()["key"]
         client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
         for _ in range(6):
-            assert client.chat.completions.create(**body(V1, 2)).usage.completion_tokens == 2
+            assert client.chat.completions.create(**sdk(V1, 2)).usage.completion_tokens == 2
         wait_for(lambda: "open" in (tmp_path / "gateway.log").read_text(), 10)
         assert metric(base, "tokenfleet_gateway_requests_total", status="200") >= 6
 
@@ -281,15 +287,15 @@ def test_replicas_join_and_leave_a_running_fleet_through_redis(demo_model_dir, t
                              headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()["key"]
             client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
             with pytest.raises(openai.APIStatusError) as empty:
-                client.chat.completions.create(**body(V1, 2))
+                client.chat.completions.create(**sdk(V1, 2))
             assert empty.value.status_code == 503, "no replica yet: a clear 503"
             with running_process(replica, f"http://127.0.0.1:{port}/health", tmp_path / "replica.log") as proc:
-                wait_for(lambda: client.chat.completions.create(**body(V1, 2)).usage.completion_tokens == 2, 30)
+                wait_for(lambda: client.chat.completions.create(**sdk(V1, 2)).usage.completion_tokens == 2, 30)
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
             wait_for(lambda: "left" in (tmp_path / "gateway.log").read_text(), 10)
             with pytest.raises(openai.APIStatusError):
-                client.chat.completions.create(**body(V1, 2))
+                client.chat.completions.create(**sdk(V1, 2))
     finally:
         client = redis.Redis(host="127.0.0.1", port=6379)
         keys = list(client.scan_iter(match=prefix + "*"))

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import random
-import time
 
 from tokenfleet.engine.kv_blocks import prefix_block_hashes
 from tokenfleet.router.prefix import DEFAULT_MAX_BLOCKS, PrefixIndex, prompt_hashes
@@ -19,18 +18,6 @@ def test_prompt_hashes_are_the_engines_keys_capped_to_the_leading_blocks() -> No
     assert prompt_hashes(prompt, 16, max_blocks=None) == engine_keys
     assert prompt_hashes(prompt[:40], 16) == engine_keys[:2]  # only full blocks
     assert prompt_hashes(prompt[:15], 16) == []
-
-
-def test_hashing_an_8k_token_prompt_stays_well_under_a_millisecond() -> None:
-    prompt = tokens(8192)
-    best = min(_timed(lambda: prompt_hashes(prompt, 16)) for _ in range(7))
-    assert best < 0.002  # measured ~0.4 ms with the 128-block cap (~1.5 ms uncapped); loose for slow machines
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def test_matches_counts_leading_blocks_and_stops_at_the_first_block_nobody_has() -> None:

@@ -40,7 +40,7 @@ def random_tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(VOCAB) for _ in range(n)]
 
 
-def make_workload(seed: int = 0, num_conversations: int = 300, mean_gap: float = 0.8, mean_think: float = 3.0
+def make_workload(seed: int = 0, num_conversations: int = 240, mean_gap: float = 0.8, mean_think: float = 3.0
                   ) -> list[Conversation]:
     """Conversations arriving as a Poisson process; three system prompts, the first one hot."""
     rng = random.Random(seed)

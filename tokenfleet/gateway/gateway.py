@@ -15,7 +15,7 @@ from typing import Awaitable, Callable
 
 from starlette.requests import Request
 
-from tokenfleet.api.errors import bad_request, not_found
+from tokenfleet.api.errors import APIError, bad_request, not_found
 from tokenfleet.api.protocol import ChatCompletionRequest, CompletionRequest, parse, prompt_token_ids
 from tokenfleet.api.sse import sse_event
 from tokenfleet.config import StreamSettings
@@ -134,6 +134,9 @@ class Gateway:
         plan = self.admission.plan(caller)
         if plan.model_override is not None:
             self._reroute(p, plan.model_override, f"overload:{plan.level}")
+        if not self.router.pools_for(p.resolution.model.name).can_serve():  # refuse now rather than queue forever
+            raise APIError(503, f"no replica of {p.resolution.model.name} is taking requests right now; retry "
+                           "shortly", "service_unavailable", code="no_replica", headers={"retry-after": "1"})
         p.body = _apply_plan(p.body, kind, p.req, plan, caller.tier.priority)
         limit = _max_tokens(kind, p.req) if plan.max_tokens_cap is None else p.body["max_tokens"]
         tokens = self.admission.expected_tokens(caller, sum(map(len, p.prompts)), p.choices, limit)

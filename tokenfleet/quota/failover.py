@@ -150,7 +150,8 @@ class FailoverQuota:
             self._retry_task = asyncio.get_running_loop().create_task(self._retry_pending())
 
     async def _retry_pending(self) -> None:
-        while self._pending:
+        task = asyncio.current_task()
+        while self._pending and not task.cancelling():
             if self._down_until is not None:
                 await asyncio.sleep(max(0.0, self._down_until - time.monotonic()) + 0.01)
                 if self._probing:

@@ -50,7 +50,9 @@ class Rebalancer:
         return target
 
     async def run(self) -> None:
-        while True:
+        """Rounds every interval until cancelled (also when a library swallowed the cancellation on the way)."""
+        task = asyncio.current_task()
+        while not task.cancelling():
             await asyncio.sleep(self.interval_s)
             try:
                 await self.rebalance_once()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import logging
 from typing import Any, Mapping, Sequence
 
 import redis.asyncio as aioredis
@@ -19,6 +20,8 @@ from tokenfleet.quota.store import RedisStore, Script, connect, text
 
 RESERVE, RECONCILE, INSPECT = Script(lua.RESERVE), Script(lua.RECONCILE), Script(lua.INSPECT)
 EPOCH = dt.date(1970, 1, 1)
+CLOSE_WAIT_S = 2.0  # how long close() waits for rebalance tasks to stop
+log = logging.getLogger("tokenfleet.quota")
 
 
 class RedisQuota:
@@ -133,7 +136,10 @@ class RedisQuota:
     async def close(self) -> None:
         for task in self._tasks.values():
             task.cancel()
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        if self._tasks:
+            _, stuck = await asyncio.wait(self._tasks.values(), timeout=CLOSE_WAIT_S)
+            if stuck:
+                log.warning("quota: %d rebalance task(s) did not stop within %.0f s", len(stuck), CLOSE_WAIT_S)
         self._tasks.clear()
         if self._owns_client:
             await self.store.client.aclose()

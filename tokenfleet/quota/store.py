@@ -73,6 +73,11 @@ class RedisStore:
                 async with asyncio.timeout(self.call_timeout_s):
                     return await call()
             except UNREACHABLE as e:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    # the caller was cancelled and the client's clean-up turned that into a timeout or connection
+                    # error: honour the cancellation (a task that swallows it never ends)
+                    raise asyncio.CancelledError() from e
                 self._failed_at = time.monotonic()
                 raise QuotaStoreError(f"quota store unreachable: {type(e).__name__}: {e}") from e
 

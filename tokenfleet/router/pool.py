@@ -90,6 +90,9 @@ class ModelPools:
             s.running, s.waiting, s.queued_tokens, s.kv_usage = (report.running, report.waiting,
                                                                  report.queued_tokens, report.kv_usage)
 
+    def can_serve(self) -> bool:
+        return any(not r.draining and self.health.available(r.name) for r in self.replicas.values())
+
     def choose(self, token_ids: Sequence[int], affinity: str | None = None,
                exclude: Sequence[str] = ()) -> tuple[Replica, Choice]:
         """The nearest pool that has a healthy replica with room; inside it, the policy's choice."""

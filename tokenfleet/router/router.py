@@ -112,10 +112,17 @@ class Router:
         """The model's pools; when none of its replicas can take work, its fallback model's."""
         pools = self.models[model_name]
         fallback = pools.spec.fallback
-        if fallback and not any(self.health.available(r) for r in pools.replicas):
+        if fallback and not any(self._trusted(r) for r in pools.replicas):
             log.warning("model %s has no healthy replica: using its fallback %s", model_name, fallback)
             return self.models[fallback]
         return pools
+
+    def _trusted(self, replica: str) -> bool:
+        """Available and not failing right now. (The health tracker never ejects a whole pool, so that a pool keeps
+        serving through a blip; for choosing the fallback model, a replica failing in a row counts as down too.)"""
+        state = self.health.replicas.get(replica)
+        return (self.health.available(replica) and state is not None
+                and state.consecutive_failures < self.settings.health.consecutive_failures)
 
     # --- keeping the picture fresh -----------------------------------------------------------------------------
 

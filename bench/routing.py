@@ -1,0 +1,729 @@
+#!/usr/bin/env python3
+"""Fleet routing benchmark: round-robin vs. least-loaded vs. cache-aware routing on a multi-turn chat workload, over
+real replica processes behind a real gateway, against one replica holding the whole fleet's KV cache.
+
+Run by hand, never from the test suite:
+
+    python bench/routing.py --conversations 16 --out ''                 # quick check (no report written)
+    python bench/routing.py                                             # report: docs/benchmarks/routing.md + .json
+    python bench/routing.py --rerender docs/benchmarks/routing.json --note "..."   # add notes, rewrite the markdown
+
+Runs (--runs, comma separated, in this order):
+  baseline            ONE replica with --replicas x --kv-cache-gib of KV cache (the fleet's combined cache) behind the
+                      gateway: the hit rate a single cache of that size gets on this workload, the reference.
+  round_robin         --replicas replicas, each with --kv-cache-gib, gateway `routing.policy: round_robin`.
+  least_loaded        the same, `routing.policy: least_loaded`.
+  cache_aware         the same, `routing.policy: cache_aware` (prefix index + bounded load, `load_bound`).
+  cache_aware_noaff   cache_aware without the `x-conversation-id` header (the router has only the prompt to go on).
+Every run starts its replicas and its gateway fresh (cold caches, empty prefix index), warms each replica with two
+short requests of its own (unrelated text: kernels, tokenizer), then one short request through the gateway, then
+runs the workload.  Replicas and gateway are stopped (SIGTERM to their process group, SIGKILL after 10 s) before the
+next run.  Processes: `python -m tokenfleet replica --model DIR --port P --kv-cache-gib X --max-model-len 2048` and
+`python -m tokenfleet gateway --config fleet.yaml` (SQLite tenants, an in-memory quota and resume buffer, one tier
+"bench" without limits, the overload ladder's TTFT target set to 1 h so it never sheds or queues: this measures
+routing, not admission control), OMP/MKL threads = --threads per process.
+
+Workload (seeded, identical for every run): --system-prompts long system prompts (random words from a fixed list,
+--system-tokens tokens each); --conversations conversations, each with one of them (chosen at random), and a number
+of turns uniform in [--turns-min, --turns-max]; a user message of a length uniform in [--user-min, --user-max] tokens
+per turn.  Each turn sends the whole history: system prompt, every earlier user message and the assistant's replies
+AS THE SERVER RETURNED THEM, then the new user message; max_tokens = --max-tokens with ignore_eos, temperature 0,
+streaming with stream_options.include_usage, header `x-conversation-id: conv-N` (not in cache_aware_noaff).
+--concurrency conversations are in flight at once (a worker takes the next conversation when one ends; a
+conversation's turns are sequential, with no think time).
+
+Metrics, per run:
+  hit rate      sum of usage.prompt_tokens_details.cached_tokens / sum of usage.prompt_tokens over every request of
+                the workload (from the responses); also the replicas' own vllm:prefix_cache_hits / queries.
+  % of baseline hit rate / baseline hit rate (target: >= 90 %).
+  TTFT          send -> first chunk with non-empty delta.content, p50 / p99 over every request (ms).
+  load          per replica, deltas of /metrics over the workload: requests served (vllm:request_success_total),
+                prompt tokens computed (vllm:prompt_tokens_total - vllm:prefix_cache_hits_total: the prefill work
+                the cache did not save), and "busy" = /load's running + waiting sampled every --sample-s (time
+                integral).  Imbalance = max / mean over the replicas (target for requests: <= 1.25).
+  routes        the gateway's `route ... reason=... skipped=...` log lines of the workload: why each replica was
+                chosen (prefix / affinity / ring / least_loaded / round_robin) and how often the load bound passed
+                over a preferred replica.
+  other CPU     CPU used by processes outside this benchmark's tree during the workload, share of all cores
+                (bench/_cpuprobe.py; above 10 %: contended, latencies unreliable).
+
+Output: a markdown report (--out, default docs/benchmarks/routing.md) and a JSON next to it; replica and gateway
+logs, the fleet files, the workload and the raw per-request records stay in the run directory (printed at the end).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as _dt
+import json
+import os
+import platform
+import random
+import re
+import secrets
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from importlib.metadata import PackageNotFoundError, version as _pkg_version
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+from _cpuprobe import CpuProbe  # noqa: E402  (stdlib only)
+
+ALL_RUNS = ["baseline", "round_robin", "least_loaded", "cache_aware", "cache_aware_noaff"]
+POLICY = {"baseline": "cache_aware", "round_robin": "round_robin", "least_loaded": "least_loaded",
+          "cache_aware": "cache_aware", "cache_aware_noaff": "cache_aware"}
+LABELS = {"baseline": "single replica, combined cache (baseline)", "round_robin": "round_robin",
+          "least_loaded": "least_loaded", "cache_aware": "cache_aware",
+          "cache_aware_noaff": "cache_aware, no x-conversation-id"}
+CONTENDED = 0.10
+SERVED = "demo"
+TIER = "bench"
+HIT_TARGET, IMBALANCE_TARGET = 0.90, 1.25
+
+WORDS = """the of and to in is was that for it with as his on be at by had are but from or have an they which one
+you were her all she there would their we him been has when who will more no if out so said what up its about into
+than them can only other new some could time these two may then do first any my now such like our over man me even
+most made after also did many before must through back years where much your way well down should because each just
+those people how too little state good very make world still own see men work long get here between both life being
+under never day same another know while last might us great old year off come since against go came right used take
+three states himself few house use during without again place around however home small found thought went say part
+once general high upon school every does got united left number course war until always away something fact though
+water less public put think almost hand enough far took head yet government system better set told nothing night end
+why called didn find going look asked later knew point next program city business give group toward young days let
+room president side social given present several order national possible rather second face per among form important
+often things looking early white case john become large big need four within felt along children saw best church ever
+least power development light thing seemed family interest want members mind country area others done turned although
+open god service certain kind problem began different door thus help sense means whole matter perhaps itself york
+times law human line above name example action company hands local show whether five history gave today either act
+feet across taken past quite anything seen having death experience body word half really week field car words already
+themselves information tell college shall money period held keep sure free real probably seems political cannot
+behind miss question air office making brought whose special heard major problems ago became federal moment study
+available known result street economic boy position reason change south board individual job society areas west close
+turn love community true court force full""".split()
+
+
+# ----------------------------------------------------------------------------------------------------------------- #
+# checkpoint and workload
+# ----------------------------------------------------------------------------------------------------------------- #
+
+def ensure_checkpoint(args) -> tuple[Path, str]:
+    if args.model:
+        d = Path(args.model).resolve()
+        if not (d / "config.json").exists():
+            sys.exit(f"--model {d}: no config.json")
+        return d, "given (--model)"
+    d = Path(args.ckpt_root) / f"demo-{args.size}"
+    if not (d / "model.safetensors").exists() or not (d / "tokenizer.json").exists():
+        subprocess.run([sys.executable, "-m", "tokenfleet", "demo-model", str(d), "--size", args.size],
+                       check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    return d, f"`python -m tokenfleet demo-model DIR --size {args.size}` (random weights)"
+
+
+def checkpoint_info(model_dir: Path) -> dict:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+            "max_position_embeddings", "torch_dtype")
+    info = {k: cfg.get(k) for k in keys}
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(cfg.get("torch_dtype") or "float32", 4)
+    # K and V, every layer, every KV head: what one token costs in the paged cache
+    info["kv_bytes_per_token"] = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * dtype_bytes
+    return info
+
+
+def _text(rng: random.Random, tok, n_tokens: int) -> str:
+    """Random words cut to exactly n_tokens tokens of the checkpoint's tokenizer (every word is >= 1 token)."""
+    text = " ".join(rng.choice(WORDS) for _ in range(n_tokens))
+    enc = tok.encode(text, add_special_tokens=False)
+    if len(enc.ids) > n_tokens:
+        text = text[: enc.offsets[n_tokens - 1][1]]
+    return text
+
+
+def make_workload(args, model_dir: Path) -> dict:
+    from tokenizers import Tokenizer  # light (no torch)
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    rng = random.Random(f"routing/{args.seed}")  # str seeds are deterministic
+    systems = [f"You are assistant number {i}. " + _text(rng, tok, args.system_tokens)
+               for i in range(args.system_prompts)]
+    conversations = []
+    for c in range(args.conversations):
+        turns = rng.randint(args.turns_min, args.turns_max)
+        conversations.append({"id": f"conv-{c}", "system": rng.randrange(args.system_prompts),
+                              "users": [_text(rng, tok, rng.randint(args.user_min, args.user_max))
+                                        for _ in range(turns)]})
+    return {"seed": args.seed, "systems": systems, "conversations": conversations}
+
+
+# ----------------------------------------------------------------------------------------------------------------- #
+# processes
+# ----------------------------------------------------------------------------------------------------------------- #
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(args) -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def spawn(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                            start_new_session=True)
+
+
+def stop(procs: list[subprocess.Popen], timeout: float = 10.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def wait_healthy(httpx, url: str, proc: subprocess.Popen, timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {proc.returncode}; see {log}:\n"
+                               + log.read_text(errors="replace")[-2000:])
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not healthy after {timeout:.0f}s; see {log}")
+
+
+def scrape(httpx, url: str) -> dict[str, float]:
+    """Prometheus text -> {metric name: value summed over its label sets}."""
+    sums: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        sums[name] = sums.get(name, 0.0) + value
+    return sums
+
+
+# ----------------------------------------------------------------------------------------------------------------- #
+# client
+# ----------------------------------------------------------------------------------------------------------------- #
+
+async def stream_turn(client, url: str, headers: dict, body: dict, timeout: float) -> dict:
+    text: list[str] = []
+    first = usage = err = finish = None
+    send = time.perf_counter()
+    try:
+        async with asyncio.timeout(timeout):
+            async with client.stream("POST", url, json=body, headers=headers) as r:
+                if r.status_code != 200:
+                    err = f"HTTP {r.status_code}: {(await r.aread())[:300].decode(errors='replace')}"
+                else:
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue  # id:, event:, ": ping" comments, blank lines
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            break
+                        obj = json.loads(data)
+                        if obj.get("error") is not None or obj.get("object") == "error":
+                            err = f"error event: {str(obj.get('error', obj))[:300]}"
+                            break
+                        if obj.get("usage"):
+                            usage = obj["usage"]
+                        for ch in obj.get("choices") or []:
+                            piece = (ch.get("delta") or {}).get("content")
+                            if piece:
+                                if first is None:
+                                    first = time.perf_counter()
+                                text.append(piece)
+                            if ch.get("finish_reason"):
+                                finish = ch["finish_reason"]
+    except TimeoutError:
+        err = f"timed out after {timeout:.0f}s"
+    except Exception as e:  # noqa: BLE001  (connection errors etc.: the request failed)
+        err = f"{e.__class__.__name__}: {e}"[:300]
+    end = time.perf_counter()
+    usage = usage or {}
+    rec = {"send": send, "end": end, "ttft": None if first is None else first - send, "finish": finish,
+           "prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens"),
+           "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+           "text": "".join(text)}
+    if err is None and (first is None or usage.get("prompt_tokens") is None):
+        err = "no content chunk" if first is None else "no usage in the stream"
+    rec["error"] = err
+    return rec
+
+
+async def run_workload(httpx, base: str, key: str, wl: dict, args, affinity: bool) -> tuple[list[dict], float]:
+    url = f"{base}/v1/chat/completions"
+    queue: asyncio.Queue = asyncio.Queue()
+    for conv in wl["conversations"]:
+        queue.put_nowait(conv)
+    records: list[dict] = []
+    t0 = time.perf_counter()
+
+    async def conversation(client, conv: dict) -> None:
+        messages = [{"role": "system", "content": wl["systems"][conv["system"]]}]
+        headers = {"Authorization": f"Bearer {key}"}
+        if affinity:
+            headers["x-conversation-id"] = conv["id"]
+        for turn, user in enumerate(conv["users"]):
+            messages.append({"role": "user", "content": user})
+            body = {"model": SERVED, "messages": messages, "max_tokens": args.max_tokens, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            rec = await stream_turn(client, url, headers, body, args.request_timeout)
+            rec.update(conversation=conv["id"], turn=turn, system=conv["system"], send=rec["send"] - t0,
+                       end=rec["end"] - t0)
+            records.append(rec)
+            if rec["error"]:
+                return  # the history is broken: the rest of this conversation is not sent
+            messages.append({"role": "assistant", "content": rec["text"]})
+
+    async def worker(client) -> None:
+        while True:
+            try:
+                conv = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            await conversation(client, conv)
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout, connect=30.0), limits=limits) as client:
+        await asyncio.gather(*(worker(client) for _ in range(args.concurrency)))
+    return records, time.perf_counter() - t0
+
+
+async def sample_loads(httpx, urls: list[str], every: float, stop_event: asyncio.Event) -> dict:
+    """Integrates each replica's running + waiting (its /load report) over time."""
+    busy = {u: 0.0 for u in urls}
+    peak = {u: 0 for u in urls}
+    samples = 0
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        while not stop_event.is_set():
+            replies = await asyncio.gather(*(client.get(f"{u}/load") for u in urls), return_exceptions=True)
+            for u, r in zip(urls, replies):
+                if not isinstance(r, BaseException) and r.status_code == 200:
+                    j = r.json()
+                    n = j.get("running", 0) + j.get("waiting", 0)
+                    busy[u] += n * every
+                    peak[u] = max(peak[u], n)
+            samples += 1
+            try:
+                await asyncio.wait_for(stop_event.wait(), every)
+            except TimeoutError:
+                pass
+    return {"busy_request_seconds": busy, "peak_running_waiting": peak, "samples": samples}
+
+
+# ----------------------------------------------------------------------------------------------------------------- #
+# one run
+# ----------------------------------------------------------------------------------------------------------------- #
+
+ROUTE_RE = re.compile(r"route model=\S+.* replica=(\S+) reason=(\S+) cached_blocks=(\d+) skipped=(\d+)")
+
+
+def route_lines(log: Path, start: int) -> dict:
+    with open(log, "rb") as f:
+        f.seek(start)
+        text = f.read().decode(errors="replace")
+    reasons: dict[str, int] = {}
+    per_replica: dict[str, int] = {}
+    skipped = passed_over = 0
+    for m in ROUTE_RE.finditer(text):
+        replica, reason, _, skip = m.group(1), m.group(2), int(m.group(3)), int(m.group(4))
+        reasons[reason] = reasons.get(reason, 0) + 1
+        per_replica[replica] = per_replica.get(replica, 0) + 1
+        skipped += skip
+        passed_over += skip > 0
+    return {"reasons": reasons, "per_replica": per_replica, "candidates_skipped": skipped,
+            "requests_with_skips": passed_over}
+
+
+def fleet_file(path: Path, model_dir: Path, urls: list[str], port: int, policy: str, args, admin: str) -> None:
+    import yaml
+
+    config = {
+        "port": port, "admin_key": admin, "database_url": f"sqlite:///{path.with_suffix('.db')}",
+        "models": [{"name": SERVED, "path": str(model_dir), "pools": [{"name": "local", "replicas": urls}]}],
+        "routing": {"policy": policy, "load_bound": args.load_bound},
+        "tiers": {TIER: {"priority": 0, "weight": 1}},
+        "overload": {"ttft_target_s": 3600},
+    }
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def warm_replica(httpx, url: str, rng: random.Random) -> None:
+    for n in (24, 200):
+        content = "warm up " + " ".join(rng.choice(WORDS) for _ in range(n))
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "model": SERVED, "messages": [{"role": "user", "content": content}], "max_tokens": 4,
+            "ignore_eos": True, "temperature": 0})
+        r.raise_for_status()
+
+
+def imbalance(values: list[float]) -> float | None:
+    mean = sum(values) / len(values) if values else 0
+    return max(values) / mean if mean > 0 else None
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def run_one(name: str, args, model_dir: Path, wl: dict, run_dir: Path) -> dict:
+    import httpx
+
+    n = 1 if name == "baseline" else args.replicas
+    kv = args.kv_cache_gib * (args.replicas if name == "baseline" else 1)
+    policy, affinity = POLICY[name], name != "cache_aware_noaff"
+    logs = run_dir / name
+    logs.mkdir(parents=True, exist_ok=True)
+    env = child_env(args)
+    ports = [free_port() for _ in range(n)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    print(f"\n== {LABELS[name]}: {n} replica(s) x {kv:.4g} GiB KV, policy {policy}, affinity header {affinity}")
+    t_start = time.perf_counter()
+    procs: list[subprocess.Popen] = []
+    try:
+        for i, port in enumerate(ports):
+            procs.append(spawn([sys.executable, "-m", "tokenfleet", "replica", "--model", str(model_dir),
+                                "--port", str(port), "--served-model-name", SERVED, "--kv-cache-gib", f"{kv:.6g}",
+                                "--max-model-len", str(args.max_model_len), "--drain-timeout", "2"],
+                               logs / f"replica{i}.log", env))
+        for i, (u, p) in enumerate(zip(urls, procs)):
+            wait_healthy(httpx, u, p, 300, logs / f"replica{i}.log")
+        rng = random.Random(f"routing-warm/{name}")
+        for u in urls:
+            warm_replica(httpx, u, rng)
+        blocks = [httpx.get(f"{u}/load", timeout=5).json().get("num_blocks") for u in urls]
+        gport, admin = free_port(), secrets.token_hex(16)
+        fleet_file(logs / "fleet.yaml", model_dir, urls, gport, policy, args, admin)
+        glog = logs / "gateway.log"
+        gateway = spawn([sys.executable, "-m", "tokenfleet", "gateway", "--config", str(logs / "fleet.yaml")], glog,
+                        env)
+        procs.append(gateway)
+        base = f"http://127.0.0.1:{gport}"
+        wait_healthy(httpx, base, gateway, 300, glog)
+        r = httpx.post(f"{base}/admin/v1/keys", json={"org": "bench-org", "user": "bench", "tier": TIER},
+                       headers={"Authorization": f"Bearer {admin}"}, timeout=30)
+        r.raise_for_status()
+        key = r.json()["key"]
+        r = httpx.post(f"{base}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120, json={
+            "model": SERVED, "messages": [{"role": "user", "content": "warm up the gateway"}], "max_tokens": 4,
+            "ignore_eos": True, "temperature": 0})
+        r.raise_for_status()
+        time.sleep(1.5)  # let a load report come in after the warm-up
+        setup_s = time.perf_counter() - t_start
+        before = [scrape(httpx, u) for u in urls]
+        log_start = glog.stat().st_size
+
+        async def measured():
+            stop_event = asyncio.Event()
+            sampler = asyncio.create_task(sample_loads(httpx, urls, args.sample_s, stop_event))
+            try:
+                return await run_workload(httpx, base, key, wl, args, affinity)
+            finally:
+                stop_event.set()
+                loads_out.update(await sampler)
+
+        loads_out: dict = {}
+        probe = CpuProbe()
+        probe.start()
+        records, wall = asyncio.run(measured())
+        others = probe.stop(wall)
+        time.sleep(0.5)  # the last requests' metrics land after their final chunk
+        after = [scrape(httpx, u) for u in urls]
+        routes = route_lines(glog, log_start)
+    finally:
+        stop(procs)
+    (logs / "records.json").write_text(json.dumps(records))
+
+    ok = [r for r in records if not r["error"]]
+    prompt = sum(r["prompt_tokens"] for r in ok)
+    cached = sum(r["cached_tokens"] or 0 for r in ok)
+
+    def delta(metric: str) -> list[float]:
+        return [a.get(metric, 0.0) - b.get(metric, 0.0) for a, b in zip(after, before)]
+
+    req = delta("vllm:request_success_total")
+    ptoks = delta("vllm:prompt_tokens_total")
+    hits = delta("vllm:prefix_cache_hits_total")
+    queries = delta("vllm:prefix_cache_queries_total")
+    computed = [p - h for p, h in zip(ptoks, hits)]
+    busy = [loads_out.get("busy_request_seconds", {}).get(u, 0.0) for u in urls]
+    ttft = [1e3 * r["ttft"] for r in ok]
+    later = [1e3 * r["ttft"] for r in ok if r["turn"] > 0]
+    row = {
+        "name": name, "label": LABELS[name], "replicas": n, "kv_cache_gib_per_replica": kv,
+        "num_blocks_per_replica": blocks, "policy": policy, "affinity_header": affinity,
+        "load_bound": args.load_bound if policy == "cache_aware" else None,
+        "requests": len(records), "ok": len(ok), "errors": sorted({r["error"] for r in records if r["error"]})[:5],
+        "expected_requests": sum(len(c["users"]) for c in wl["conversations"]),
+        "prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt if prompt else None,
+        "replica_hit_rate": sum(hits) / sum(queries) if sum(queries) else None,
+        "ttft_ms": {"p50": pct(ttft, 0.5), "p90": pct(ttft, 0.9), "p99": pct(ttft, 0.99), "max": max(ttft, default=None)},
+        "ttft_later_turns_ms": {"p50": pct(later, 0.5), "p99": pct(later, 0.99)},
+        "per_replica": {"url": urls, "requests": req, "prompt_tokens": ptoks, "cached_tokens": hits,
+                        "computed_prompt_tokens": computed, "busy_request_seconds": busy,
+                        "peak_running_waiting": [loads_out.get("peak_running_waiting", {}).get(u) for u in urls],
+                        "preemptions": delta("vllm:num_preemptions_total")},
+        "imbalance": {"requests": imbalance(req), "computed_prompt_tokens": imbalance(computed),
+                      "prompt_tokens": imbalance(ptoks), "busy": imbalance(busy)},
+        "routes": routes, "wall_s": wall, "setup_s": setup_s, "requests_per_s": len(ok) / wall if wall else None,
+        "others_cpu": others, "load_samples": loads_out.get("samples"), "logs": str(logs),
+    }
+    hr = row["hit_rate"]
+    print(f"   {len(ok)}/{len(records)} ok in {wall:.1f}s (setup {setup_s:.0f}s); hit rate "
+          f"{'-' if hr is None else f'{100 * hr:.1f}%'}; TTFT p50/p99 {_f(row['ttft_ms']['p50'])}/"
+          f"{_f(row['ttft_ms']['p99'])} ms; requests per replica {[int(x) for x in req]}; routes {routes['reasons']}")
+    return row
+
+
+def _f(x, digits: int = 0) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+# ----------------------------------------------------------------------------------------------------------------- #
+# report
+# ----------------------------------------------------------------------------------------------------------------- #
+
+def versions() -> dict:
+    v = {}
+    for pkg in ("tokenfleet", "torch", "httpx", "uvicorn", "fastapi"):
+        try:
+            v[pkg] = _pkg_version(pkg)
+        except PackageNotFoundError:
+            v[pkg] = None
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "tokenfleet"], capture_output=True, text=True,
+                               cwd=REPO, timeout=10).stdout.strip()
+        if head:
+            v["tokenfleet"] = f"{v['tokenfleet']} (git {head}{', uncommitted changes in tokenfleet/' if dirty else ''})"
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return v
+
+
+def machine_info(args) -> dict:
+    cpu, mem = platform.processor() or "?", "?"
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                   if ln.startswith("model name"))
+        kb = int(next(ln for ln in Path("/proc/meminfo").read_text().splitlines()
+                      if ln.startswith("MemTotal")).split()[1])
+        mem = f"{kb / 2**20:.1f} GiB"
+    except (OSError, StopIteration, ValueError):
+        pass
+    return {"cores": os.cpu_count(), "cpu": cpu, "memory": mem, "python": platform.python_version(),
+            "threads_per_process": args.threads}
+
+
+def write_report(path: Path, rep: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".json").write_text(json.dumps(rep, indent=1))
+    m, w, c = rep["machine"], rep["workload"], rep["checkpoint"]
+    rows = rep["runs"]
+    base = next((r for r in rows if r["name"] == "baseline"), None)
+    base_hr = base["hit_rate"] if base else None
+    info = c["info"]
+    kv_tok = lambda gib: gib * 2**30 / info["kv_bytes_per_token"]  # noqa: E731
+    L = [f"# Fleet routing — {rep['date']}", "",
+         f"Command: `{rep['command']}`", "",
+         f"Machine: {m['cores']} cores ({m['cpu']}), {m['memory']} RAM, {m['threads_per_process']} torch thread(s) "
+         f"per process; Python {m['python']}; versions: "
+         + ", ".join(f"{k} {v}" for k, v in rep["versions"].items()) + ". Every replica, the gateway and the "
+         "client share these cores, and other work (other engineers' test runs) may have been running on the "
+         "machine at the same time: see the \"other CPU\" column.", "",
+         f"Checkpoint: `{c['dir']}` — {c['source']}; hidden {info['hidden_size']}, layers "
+         f"{info['num_hidden_layers']}, heads {info['num_attention_heads']}/{info['num_key_value_heads']} kv, "
+         f"{info['torch_dtype']}: {info['kv_bytes_per_token']} bytes of KV cache per token.", "",
+         f"Fleet: {w['replicas']} replicas (`python -m tokenfleet replica`, one process each) with "
+         f"`--kv-cache-gib {w['kv_cache_gib']:g}` each (~{kv_tok(w['kv_cache_gib']):.0f} tokens, "
+         f"{_blocks(rows, 'round_robin')} blocks), one `tokenfleet gateway` per run; the baseline is ONE replica with "
+         f"{w['replicas']}x that ({w['replicas'] * w['kv_cache_gib']:g} GiB, ~{kv_tok(w['replicas'] * w['kv_cache_gib']):.0f}"
+         f" tokens, {_blocks(rows, 'baseline')} blocks) behind the same gateway. Replicas and gateway are restarted "
+         f"for every run (cold caches, empty prefix index). `load_bound` {w['load_bound']:g} (cache_aware).", "",
+         f"Workload (seed {w['seed']}, the same for every run): {w['conversations']} conversations, "
+         f"{w['system_prompts']} shared system prompts of ~{w['system_tokens']} tokens, {w['turns_min']}–"
+         f"{w['turns_max']} turns each ({w['total_requests']} requests), user messages {w['user_min']}–{w['user_max']}"
+         f" tokens, replies max_tokens {w['max_tokens']} with ignore_eos; each turn sends the full history "
+         f"(with the replies the server returned); {w['concurrency']} conversations in flight; streaming chat "
+         f"completions with `x-conversation-id` unless the run says otherwise.", "",
+         "Hit rate = Σ usage.prompt_tokens_details.cached_tokens / Σ usage.prompt_tokens over all requests (the "
+         "replicas' own vllm:prefix_cache_hits/queries in brackets). TTFT = send → first non-empty content chunk, "
+         "through the gateway. Imbalance = max/mean over replicas of requests served (vllm:request_success), of "
+         "prompt tokens computed (prompt − cache hits: the prefill work) and of time-integrated running+waiting "
+         "(/load sampled every "
+         f"{w['sample_s']:g} s). Targets: hit rate ≥ {100 * HIT_TARGET:.0f} % of the baseline's, max/mean (requests) "
+         f"≤ {IMBALANCE_TARGET}.", "",
+         "## Results", "",
+         "| run | ok | hit rate | % of baseline | TTFT p50 ms | TTFT p99 ms | max/mean requests | max/mean prefill "
+         "computed | max/mean busy | req/s | other CPU | targets |",
+         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        hr = r["hit_rate"]
+        rel = hr / base_hr if (hr is not None and base_hr) else None
+        imb = r["imbalance"]
+        if r["name"] == "baseline":
+            verdict = "reference"
+        else:
+            hit_ok = rel is not None and rel >= HIT_TARGET
+            load_ok = imb["requests"] is not None and imb["requests"] <= IMBALANCE_TARGET
+            verdict = f"hit {'✅' if hit_ok else '❌'} load {'✅' if load_ok else '❌'}"
+        oc = r["others_cpu"]
+        L.append(f"| {r['label']} | {r['ok']}/{r['expected_requests']} | {_p(hr)} ({_p(r['replica_hit_rate'])}) | "
+                 f"{'-' if rel is None else f'{100 * rel:.1f} %'} | {_f(r['ttft_ms']['p50'])} | "
+                 f"{_f(r['ttft_ms']['p99'])} | {_f(imb['requests'], 2)} | {_f(imb['computed_prompt_tokens'], 2)} | "
+                 f"{_f(imb['busy'], 2)} | {_f(r['requests_per_s'], 2)} | "
+                 f"{'-' if oc is None else f'{100 * oc:.0f} %'}{' ⚠' if (oc or 0) > CONTENDED else ''} | {verdict} |")
+    L += ["", "## Per replica", "",
+          "| run | requests | prompt tokens | cached | computed | busy (request·s) | peak running+waiting | "
+          "preemptions |",
+          "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p = r["per_replica"]
+        fmt = lambda xs: " / ".join("-" if x is None else f"{x:.0f}" for x in xs)  # noqa: E731
+        L.append(f"| {r['label']} | {fmt(p['requests'])} | {fmt(p['prompt_tokens'])} | {fmt(p['cached_tokens'])} | "
+                 f"{fmt(p['computed_prompt_tokens'])} | {fmt(p['busy_request_seconds'])} | "
+                 f"{fmt(p['peak_running_waiting'])} | {fmt(p['preemptions'])} |")
+    L += ["", "## Routing decisions (gateway log)", "",
+          "| run | reasons | requests where the load bound passed over a preferred replica | TTFT p50/p99 ms, turns ≥ 2 |"
+          " wall s |", "|---|---|---:|---:|---:|"]
+    for r in rows:
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(r["routes"]["reasons"].items())) or "-"
+        lt = r["ttft_later_turns_ms"]
+        L.append(f"| {r['label']} | {reasons} | {r['routes']['requests_with_skips']} | {_f(lt['p50'])} / "
+                 f"{_f(lt['p99'])} | {r['wall_s']:.0f} |")
+    errors = [(r["label"], e) for r in rows for e in r["errors"]]
+    if errors:
+        L += ["", "Errors: " + "; ".join(f"{lab}: {e}" for lab, e in errors)]
+    if rep.get("notes"):
+        L += ["", "## Reading", ""] + [f"{n}\n" for n in rep["notes"]]
+    L += ["", f"Total run time {rep['total_s']:.0f} s. Run directory (logs, fleet files, workload, per-request "
+          f"records): `{rep['run_dir']}`.", ""]
+    path.write_text("\n".join(L))
+    print(f"wrote {path} and {path.with_suffix('.json')}")
+
+
+def _blocks(rows: list[dict], name: str) -> str:
+    r = next((r for r in rows if r["name"] == name), None)
+    return "?" if r is None or not r["num_blocks_per_replica"] else str(r["num_blocks_per_replica"][0])
+
+
+def _p(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f} %"
+
+
+# ----------------------------------------------------------------------------------------------------------------- #
+# main
+# ----------------------------------------------------------------------------------------------------------------- #
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", default=",".join(ALL_RUNS), help=f"comma separated, from {ALL_RUNS}")
+    p.add_argument("--size", default="small", choices=["tiny", "small", "medium"], help="demo checkpoint size")
+    p.add_argument("--model", default=None, help="a checkpoint folder instead of the demo checkpoint")
+    p.add_argument("--ckpt-root", default="/tmp/tokenfleet-bench/routing-checkpoints")
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--kv-cache-gib", type=float, default=0.0125,
+                   help="per replica (the baseline gets --replicas x this); small demo: 0.0125 GiB = 400 blocks")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--load-bound", type=float, default=1.25)
+    p.add_argument("--threads", type=int, default=1, help="OMP/MKL threads per replica and gateway process")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--conversations", type=int, default=64)
+    p.add_argument("--system-prompts", type=int, default=4)
+    p.add_argument("--system-tokens", type=int, default=512)
+    p.add_argument("--turns-min", type=int, default=3)
+    p.add_argument("--turns-max", type=int, default=7)
+    p.add_argument("--user-min", type=int, default=16)
+    p.add_argument("--user-max", type=int, default=96)
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--concurrency", type=int, default=12)
+    p.add_argument("--request-timeout", type=float, default=120.0)
+    p.add_argument("--sample-s", type=float, default=0.25, help="how often each replica's /load is sampled")
+    p.add_argument("--run-dir", default=None)
+    p.add_argument("--out", default="docs/benchmarks/routing.md", help="markdown report ('' = none); JSON next to it")
+    p.add_argument("--note", action="append", default=[], help="a paragraph for the report's Reading section")
+    p.add_argument("--rerender", default=None, metavar="JSON",
+                   help="run nothing: rewrite the markdown from a previous run's JSON (plus any --note)")
+    args = p.parse_args(argv)
+
+    if args.rerender:
+        src = Path(args.rerender)
+        rep = json.loads(src.read_text())
+        rep["notes"] = rep.get("notes", []) + args.note
+        write_report(src.with_suffix(".md"), rep)
+        return
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    bad = [r for r in runs if r not in ALL_RUNS]
+    if bad:
+        p.error(f"unknown runs {bad}; choose from {ALL_RUNS}")
+    command = "python " + " ".join(shlex.quote(a) for a in ([os.path.relpath(__file__, REPO)] + sys.argv[1:]))
+
+    model_dir, source = ensure_checkpoint(args)
+    info = checkpoint_info(model_dir)
+    run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="tokenfleet-routing-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    wl = make_workload(args, model_dir)
+    (run_dir / "workload.json").write_text(json.dumps(wl))
+    total_requests = sum(len(c["users"]) for c in wl["conversations"])
+    print(f"checkpoint {model_dir}; workload: {args.conversations} conversations, {total_requests} requests "
+          f"-> {run_dir / 'workload.json'}")
+
+    t_all = time.perf_counter()
+    rows = [run_one(name, args, model_dir, wl, run_dir) for name in runs]
+    total = time.perf_counter() - t_all
+    print(f"\nall runs done in {total:.0f}s; run dir: {run_dir}")
+    if not args.out:
+        return
+    rep = {"date": _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"), "command": command,
+           "machine": machine_info(args), "versions": versions(),
+           "checkpoint": {"dir": str(model_dir), "source": source, "info": info},
+           "workload": {k: getattr(args, k) for k in (
+               "seed", "conversations", "system_prompts", "system_tokens", "turns_min", "turns_max", "user_min",
+               "user_max", "max_tokens", "concurrency", "replicas", "kv_cache_gib", "load_bound", "sample_s",
+               "max_model_len")} | {"total_requests": total_requests},
+           "runs": rows, "notes": args.note, "run_dir": str(run_dir), "total_s": total}
+    write_report((REPO / args.out) if not os.path.isabs(args.out) else Path(args.out), rep)
+
+
+if __name__ == "__main__":
+    main()

@@ -630,6 +630,18 @@ def write_report(path: Path, rep: dict) -> None:
         lt = r["ttft_later_turns_ms"]
         L.append(f"| {r['label']} | {reasons} | {r['routes']['requests_with_skips']} | {_f(lt['p50'])} / "
                  f"{_f(lt['p99'])} | {r['wall_s']:.0f} |")
+    if any("loss_vs_baseline" in r for r in rows):
+        L += ["", "## Hits missing against the baseline (same conversation and turn)", "",
+              "Cached tokens the baseline got and the run did not, as a share of all prompt tokens: on first turns (a "
+              "replica prefilling a system prompt it had not seen yet) and on later turns (the conversation's history "
+              "was not on the replica its turn went to).", "",
+              "| run | first turns | later turns | later turns more than one block short |", "|---|---:|---:|---:|"]
+        for r in rows:
+            x = r.get("loss_vs_baseline")
+            if x:
+                t = x["baseline_prompt_tokens"] or 1
+                L.append(f"| {r['label']} | {100 * x['first_turn_tokens'] / t:.1f} % | "
+                         f"{100 * x['later_turn_tokens'] / t:.1f} % | {x['later_turns_short']} |")
     errors = [(r["label"], e) for r in rows for e in r["errors"]]
     if errors:
         L += ["", "Errors: " + "; ".join(f"{lab}: {e}" for lab, e in errors)]
@@ -639,6 +651,41 @@ def write_report(path: Path, rep: dict) -> None:
           f"records): `{rep['run_dir']}`.", ""]
     path.write_text("\n".join(L))
     print(f"wrote {path} and {path.with_suffix('.json')}")
+
+
+def add_losses(rep: dict) -> None:
+    """Where each run's cache hits fell short of the baseline's, request by request (same conversation and turn):
+    on first turns (a replica prefilling a system prompt it had not seen) and on later turns (a conversation's
+    history not where its turn went). Read from the runs' per-request records in the run directory."""
+    rows = rep["runs"]
+    base = next((r for r in rows if r["name"] == "baseline"), None)
+    if base is None:
+        return
+    try:
+        ref = {(x["conversation"], x["turn"]): x for x in json.loads((Path(base["logs"]) / "records.json").read_text())}
+    except OSError:
+        return
+    total = sum(x["prompt_tokens"] or 0 for x in ref.values())
+    for r in rows:
+        if r["name"] == "baseline" or "loss_vs_baseline" in r:
+            continue
+        try:
+            recs = json.loads((Path(r["logs"]) / "records.json").read_text())
+        except OSError:
+            continue
+        first = later = moved = 0
+        for x in recs:
+            b = ref.get((x["conversation"], x["turn"]))
+            if b is None or x["error"] or b["error"]:
+                continue
+            lost = (b["cached_tokens"] or 0) - (x["cached_tokens"] or 0)
+            if x["turn"] == 0:
+                first += lost
+            else:
+                later += lost
+                moved += lost > 16  # more than one block short of the baseline on a later turn
+        r["loss_vs_baseline"] = {"first_turn_tokens": first, "later_turn_tokens": later,
+                                 "later_turns_short": moved, "baseline_prompt_tokens": total}
 
 
 def _blocks(rows: list[dict], name: str) -> str:
@@ -690,6 +737,7 @@ def main(argv=None) -> None:
         src = Path(args.rerender)
         rep = json.loads(src.read_text())
         rep["notes"] = rep.get("notes", []) + args.note
+        add_losses(rep)
         write_report(src.with_suffix(".md"), rep)
         return
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
@@ -722,6 +770,7 @@ def main(argv=None) -> None:
                "user_max", "max_tokens", "concurrency", "replicas", "kv_cache_gib", "load_bound", "sample_s",
                "max_model_len")} | {"total_requests": total_requests},
            "runs": rows, "notes": args.note, "run_dir": str(run_dir), "total_s": total}
+    add_losses(rep)
     write_report((REPO / args.out) if not os.path.isabs(args.out) else Path(args.out), rep)
 
 

@@ -17,7 +17,10 @@ share of all cores; above 10% the row is flagged: rerun it).
 Systems (--systems, comma separated, run in this order):
   serve         `tokenfleet serve --model DIR` (gateway + in-process replica, one process).
   gateway       `tokenfleet replica --model DIR` + `tokenfleet gateway --config fleet.yaml` (two processes, HTTP between
-                them; the client talks to the gateway).
+                them; the client talks to the gateway).  The fleet file gives the gateway SQLite tenants
+                (run dir/fleet.db) and an admin key; the harness makes an API key through POST /admin/v1/keys once
+                the gateway is up, on an `enterprise` tier with no limits and 256 dispatch slots per replica (so
+                neither quota nor fair queuing takes part), and sends it with every request to the gateway.
   vllm          vLLM CPU's OpenAI server (own venv, --vllm-python): `python -m vllm.entrypoints.openai.api_server
                 --dtype float32 --enforce-eager --max-model-len min(4096, the model's window)`, VLLM_CPU_KVCACHE_SPACE=
                 --kv-cache-gib, its own OpenMP binding (as in offline_throughput.py).
@@ -72,6 +75,7 @@ import json
 import math
 import os
 import random
+import secrets
 import shlex
 import shutil
 import signal
@@ -177,7 +181,8 @@ def request_body(system: str, model: str, content: str, max_tokens: int) -> dict
     return body
 
 
-async def stream_request(client, url: str, body: dict, deadline: float | None = None) -> dict:
+async def stream_request(client, url: str, body: dict, deadline: float | None = None,
+                         headers: dict | None = None) -> dict:
     """One streamed chat completion; deadline is in loop time (asyncio.get_running_loop().time())."""
     rec: dict = {"max_tokens": body["max_tokens"]}
     content_t: list[float] = []
@@ -185,7 +190,7 @@ async def stream_request(client, url: str, body: dict, deadline: float | None = 
     send = time.perf_counter()
     try:
         async with asyncio.timeout_at(deadline):
-            async with client.stream("POST", url, json=body) as r:
+            async with client.stream("POST", url, json=body, headers=headers) as r:
                 if r.status_code != 200:
                     err = f"HTTP {r.status_code}: {(await r.aread())[:300].decode(errors='replace')}"
                 else:
@@ -230,7 +235,8 @@ def _client(httpx, timeout: float | None = 600.0):
                              limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
 
 
-async def run_rate(system: str, base: str, model: str, reqs: list[dict], drain_timeout: float) -> tuple[list, float]:
+async def run_rate(system: str, base: str, model: str, reqs: list[dict], drain_timeout: float,
+                   headers: dict | None = None) -> tuple[list, float]:
     import httpx
 
     url = base + "/v1/chat/completions"
@@ -244,7 +250,7 @@ async def run_rate(system: str, base: str, model: str, reqs: list[dict], drain_t
             if delay > 0:
                 await asyncio.sleep(delay)
             body = request_body(system, model, rq["content"], rq["max_tokens"])
-            tasks.append(asyncio.create_task(stream_request(client, url, body, deadline)))
+            tasks.append(asyncio.create_task(stream_request(client, url, body, deadline, headers)))
         recs = await asyncio.gather(*tasks)
     for rq, rec in zip(reqs, recs):
         rec["lag"] = rec["send"] - (t0 + rq["arrival"])  # how late the client sent it (should be ~0)
@@ -253,7 +259,8 @@ async def run_rate(system: str, base: str, model: str, reqs: list[dict], drain_t
     return list(recs), wall
 
 
-async def run_warmup(system: str, base: str, model: str, warm: list[dict]) -> list[dict]:
+async def run_warmup(system: str, base: str, model: str, warm: list[dict], headers: dict | None = None
+                     ) -> list[dict]:
     """Two sequential requests, then the rest concurrently (first requests may trigger lazy initialization)."""
     import httpx
 
@@ -261,9 +268,9 @@ async def run_warmup(system: str, base: str, model: str, warm: list[dict]) -> li
     deadline = asyncio.get_running_loop().time() + 600
     async with _client(httpx) as client:
         recs = [await stream_request(client, url, request_body(system, model, w["content"], w["max_tokens"]),
-                                     deadline) for w in warm[:2]]
+                                     deadline, headers) for w in warm[:2]]
         recs += await asyncio.gather(*[stream_request(client, url, request_body(system, model, w["content"],
-                                                                                w["max_tokens"]), deadline)
+                                                                                w["max_tokens"]), deadline, headers)
                                        for w in warm[2:]])
     return recs
 
@@ -371,6 +378,7 @@ class Server:
         self.name, self.cmd, self.port, self.env, self.log, self.cwd = name, cmd, port, env, log, cwd
         self.proc: subprocess.Popen | None = None
         self.base = f"http://127.0.0.1:{port}"
+        self.admin_key: str | None = None  # a tokenfleet gateway: every request needs an API key made with this
 
     def start(self) -> None:
         self._logf = open(self.log, "w")
@@ -443,10 +451,41 @@ def tokenfleet_cmd(sub: str, args, model_dir: Path, port: int) -> list[str]:
              "--drain-timeout", "5"] + shlex.split(args.tokenfleet_args))
 
 
-def write_fleet_yaml(path: Path, model_dir: Path, port: int, replica_port: int) -> None:
+ADMIN_KEY = "bench-admin-" + secrets.token_hex(16)  # guards the bench gateways' /admin/v1 (loopback only)
+BENCH_TIER = "enterprise"
+
+
+def write_fleet_yaml(path: Path, model_dir: Path, port: int, replica_port: int, database: Path) -> None:
+    """The gateway needs tenants (SQLite here) and an admin key. The bench tier has no limits (a tier given here
+    replaces the default whole) and the dispatcher enough slots, so neither quota nor queueing takes part in the
+    comparison: what is measured is the gateway's own per-request work."""
     path.write_text(json.dumps({"model_name": SERVED_NAME, "model_path": str(model_dir), "host": "127.0.0.1",
                                 "port": port, "replicas": [f"http://127.0.0.1:{replica_port}"],
-                                "drain_timeout_s": 5}, indent=1) + "\n")  # JSON is YAML
+                                "drain_timeout_s": 5, "database_url": f"sqlite:///{database}",
+                                "admin_key": ADMIN_KEY,
+                                "tiers": {BENCH_TIER: {"priority": 0, "weight": 8, "user_limits": {},
+                                                       "org_limits": {}}},
+                                "dispatch": {"slots_per_replica": 256}}, indent=1) + "\n")  # JSON is YAML
+
+
+def gateway_env(args) -> dict:
+    env = _base_env(args)
+    for name in ("TOKENFLEET_ADMIN_KEY", "TOKENFLEET_DATABASE_URL"):  # these would override the fleet file
+        env.pop(name, None)
+    return env
+
+
+def auth_headers(server: Server) -> dict:
+    """{} for a server without keys; for a gateway, a new API key of the bench tier (made through /admin/v1)."""
+    if server.admin_key is None:
+        return {}
+    import httpx
+
+    r = httpx.post(server.base + "/admin/v1/keys", json={"org": "bench", "user": "bench", "tier": BENCH_TIER},
+                   headers={"Authorization": f"Bearer {server.admin_key}"}, timeout=30.0)
+    if not r.is_success:
+        raise RuntimeError(f"creating an API key failed: HTTP {r.status_code}: {r.text[:300]}")
+    return {"Authorization": f"Bearer {r.json()['key']}"}
 
 
 def build_servers(system: str, args, model_dir: Path, max_len: int, run_dir: Path, ports) -> tuple[list[Server], str]:
@@ -459,11 +498,12 @@ def build_servers(system: str, args, model_dir: Path, max_len: int, run_dir: Pat
     if system == "gateway":
         rp, gp = ports(), ports()
         cfg = run_dir / "fleet.yaml"
-        write_fleet_yaml(cfg, model_dir, gp, rp)
+        write_fleet_yaml(cfg, model_dir, gp, rp, run_dir / "fleet.db")
         replica = Server("replica", tokenfleet_cmd("replica", args, model_dir, rp), rp, env,
                          run_dir / "log_gateway_replica.txt", run_dir)
-        gateway = Server("gateway", [sys.executable, "-m", "tokenfleet", "gateway", "--config", str(cfg)], gp, env,
-                         run_dir / "log_gateway_gateway.txt", run_dir)
+        gateway = Server("gateway", [sys.executable, "-m", "tokenfleet", "gateway", "--config", str(cfg)], gp,
+                         gateway_env(args), run_dir / "log_gateway_gateway.txt", run_dir)
+        gateway.admin_key = ADMIN_KEY
         return [replica, gateway], SERVED_NAME
     if system == "vllm":
         if not Path(args.vllm_python).exists():
@@ -505,7 +545,8 @@ def wait_idle(name: str, limit: float) -> float:
 # tokenfleet extras: gateway overhead, idle streams
 # ----------------------------------------------------------------------------------------------------------------- #
 
-async def gateway_overhead(replica: str, gateway: str, pairs: list[dict]) -> dict:
+async def gateway_overhead(replica: str, gateway: str, pairs: list[dict], headers: dict) -> dict:
+    """`headers` (the API key) go to the gateway only; the replica takes no key."""
     import httpx
 
     recs = {"direct": [], "gateway": []}
@@ -516,7 +557,8 @@ async def gateway_overhead(replica: str, gateway: str, pairs: list[dict]) -> dic
             for target in order:
                 base = replica if target == "direct" else gateway
                 body = request_body("gateway", SERVED_NAME, pair[target], pair["max_tokens"])
-                rec = await stream_request(client, base + "/v1/chat/completions", body, deadline)
+                rec = await stream_request(client, base + "/v1/chat/completions", body, deadline,
+                                           headers if target == "gateway" else None)
                 if i >= 4:  # the first 4 pairs warm up both paths (connections, code)
                     recs[target].append(rec)
                 await asyncio.sleep(0.05)
@@ -551,7 +593,7 @@ def upstream_connections(port: int) -> int:
 
 
 async def hold_streams(gateway: Server, replica_port: int, model: str, prompt: str, n: int,
-                       open_timeout: float) -> dict:
+                       open_timeout: float, headers: dict) -> dict:
     import httpx
 
     url = gateway.base + "/v1/chat/completions"
@@ -561,7 +603,7 @@ async def hold_streams(gateway: Server, replica_port: int, model: str, prompt: s
 
     async def one(client) -> None:
         try:
-            async with client.stream("POST", url, json=body) as r:
+            async with client.stream("POST", url, json=body, headers=headers) as r:
                 if r.status_code == 200:
                     opened[0] += 1
                 else:
@@ -620,22 +662,25 @@ def idle_streams_phase(args, model_dir: Path, replica: Server, prompt: str, run_
     for n in args.idle_streams:
         gp = ports()
         cfg = run_dir / f"fleet_idle_{n}.yaml"
-        write_fleet_yaml(cfg, model_dir, gp, replica.port)
+        write_fleet_yaml(cfg, model_dir, gp, replica.port, run_dir / "fleet.db")  # the main gateway's tenants
         gw = Server(f"gateway-idle-{n}", [sys.executable, "-m", "tokenfleet", "gateway", "--config", str(cfg)], gp,
-                    _base_env(args), run_dir / f"log_gateway_idle_{n}.txt", run_dir)
+                    gateway_env(args), run_dir / f"log_gateway_idle_{n}.txt", run_dir)
+        gw.admin_key = ADMIN_KEY
         row: dict = {"n": n}
         try:
             gw.start()
             gw.wait_healthy(args.start_timeout)
+            headers = auth_headers(gw)
             warm = asyncio.run(run_warmup("gateway", gw.base, SERVED_NAME,
-                                          [{"content": prompt, "max_tokens": 16}] * 3))
+                                          [{"content": prompt, "max_tokens": 16}] * 3, headers))
             if not all(r["ok"] for r in warm):
                 raise RuntimeError(f"warm-up failed: {[r['error'] for r in warm if not r['ok']]}")
             time.sleep(1.0)
             row["rss_before"] = rss_bytes(gw.proc.pid)
             replica.signal_group(signal.SIGSTOP)
             try:
-                row.update(asyncio.run(hold_streams(gw, replica.port, SERVED_NAME, prompt, n, args.idle_open_timeout)))
+                row.update(asyncio.run(hold_streams(gw, replica.port, SERVED_NAME, prompt, n, args.idle_open_timeout,
+                                                    headers)))
                 time.sleep(args.idle_after_wait)
                 row["rss_after_close"] = rss_bytes(gw.proc.pid)
             finally:
@@ -681,8 +726,9 @@ def run_system(system: str, args, model_dir: Path, max_len: int, wl: dict, run_d
             s.start()
             row[f"ready_s_{s.name}"] = s.wait_healthy(args.start_timeout)
         row["ready_s"] = time.perf_counter() - t_sys
+        headers = auth_headers(target)
         t = time.perf_counter()
-        warm = asyncio.run(run_warmup(system, target.base, model, wl["warmup"]))
+        warm = asyncio.run(run_warmup(system, target.base, model, wl["warmup"], headers))
         row["warmup_s"] = time.perf_counter() - t
         bad = [r["error"] for r in warm if not r["ok"]]
         if bad:
@@ -695,7 +741,7 @@ def run_system(system: str, args, model_dir: Path, max_len: int, wl: dict, run_d
             probe = CpuProbe()
             probe.start()
             t = time.perf_counter()
-            recs, wall = asyncio.run(run_rate(system, target.base, model, reqs, args.drain_timeout))
+            recs, wall = asyncio.run(run_rate(system, target.base, model, reqs, args.drain_timeout, headers))
             others = probe.stop(time.perf_counter() - t)
             summ = summarize(recs, wall, args.slo_ttft, args.slo_tpot)
             summ.update(others_cpu=others, cpu_busy_before=busy, server_rss=sum(tree_rss(s.proc.pid) for s in servers))
@@ -718,7 +764,7 @@ def run_system(system: str, args, model_dir: Path, max_len: int, wl: dict, run_d
                 probe = CpuProbe()
                 probe.start()
                 t = time.perf_counter()
-                ov = asyncio.run(gateway_overhead(replica.base, gateway.base, wl["overhead"]))
+                ov = asyncio.run(gateway_overhead(replica.base, gateway.base, wl["overhead"], headers))
                 ov["others_cpu"] = probe.stop(time.perf_counter() - t)
                 ov["cpu_busy_before"] = busy
                 row["overhead"] = ov

@@ -50,11 +50,16 @@ def test_an_overloaded_holder_is_passed_over_for_the_next_candidate() -> None:
     assert choice.replica != home and choice.candidates_skipped == 1 and choice.reason == "ring"
 
 
-def test_when_every_replica_is_over_the_bound_the_least_loaded_takes_it() -> None:
-    # Loads 2.1 each: the average counting this request is 2.35, x 1.25 rounds up to 3 < 2.1 + 1.
-    replicas = [ReplicaState(f"r{i}", in_flight=2, queued_tokens=205 + i) for i in range(4)]
-    choice = CacheAwarePolicy().choose(replicas, tokens(64, seed=6))
-    assert choice.reason == "least_loaded" and choice.replica == "r0"
+def test_queued_prefill_below_a_slot_does_not_push_the_holder_over_the_bound() -> None:
+    """The routing benchmark's case: 12 in flight over 4 replicas, the conversation's replica has a short prompt
+    queued. Its next turn must stay there (the bound counts whole requests)."""
+    policy = CacheAwarePolicy()
+    history = tokens(50 * 16, seed=8)
+    replicas = [ReplicaState(f"r{i}", in_flight=3) for i in range(4)]
+    holder = policy.choose(replicas, history).replica
+    next(r for r in replicas if r.name == holder).queued_tokens = 100
+    choice = policy.choose(replicas, history + tokens(32, seed=9))
+    assert choice.replica == holder and choice.reason == "prefix" and choice.matched_blocks == 50
 
 
 def test_new_prefixes_spread_over_the_ring_even_when_the_load_reports_are_stale() -> None:

@@ -161,8 +161,11 @@ class CacheAwarePolicy:
     def _pick(self, ranked: list[ReplicaState], matched: dict[str, int], by_prefix: bool, ring_reason: str
               ) -> Choice:
         loads = [r.load() for r in ranked]
-        capacity = self._capacity(loads)
-        for skipped, (replica, load) in enumerate(zip(ranked, loads)):
+        # The bound counts whole requests: queued prefill below a slot's worth must not push a replica that holds
+        # the conversation over it (that sent later turns away from their cache in the routing benchmark).
+        whole = [math.floor(load) for load in loads]
+        capacity = self._capacity(whole)
+        for skipped, (replica, load) in enumerate(zip(ranked, whole)):
             if load + 1 <= capacity:
                 depth = matched.get(replica.name, 0)
                 return Choice(replica.name, "prefix" if by_prefix and depth else ring_reason, depth, skipped)

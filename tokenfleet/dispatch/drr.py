@@ -1,9 +1,11 @@
 """Deficit round-robin across the tenants of one tier, with each tenant's requests in its own FIFO.
 
 A tenant that had nothing queued joins a "new" list served before the round of backlogged tenants (the sparse-flow
-rule of FQ-CoDel, RFC 8290): a light tenant's single request waits for no more of a heavy tenant's work than is
+rule of FQ-CoDel, RFC 8290): a light tenant's first request waits for no more of a heavy tenant's work than is
 already running. A new tenant that spends its quantum, or empties, moves to the end of the round, so arriving often
-buys at most one early turn per round. Backlogged tenants get `quantum` tokens per turn, carrying what they did not
+buys at most one early turn per round — which means a light tenant that sends again within the same round waits
+out the heavy tenant's whole turn (up to one quantum of its tokens): keep the quantum near one typical request's
+cost (docs/benchmarks/fair_share.md measures both). Backlogged tenants get `quantum` tokens per turn, carrying what they did not
 spend, so over time each gets the same tokens whatever its request sizes; one turn is at most one quantum plus
 the carried remainder (less than one request)."""
 from __future__ import annotations

@@ -175,7 +175,7 @@ def test_canary_takes_its_share_and_pinned_versions_stay(fleet):
         served = Counter(pool.map(lambda i: model_of(body("tiny", 1, f"q{i}")), range(300)))
         pinned = Counter(pool.map(lambda i: model_of(body(V1, 1, f"p{i}")), range(40)))
     share = served[V2] / 300
-    assert abs(share - 0.20) < 0.06, served
+    assert abs(share - 0.20) < 0.07, served  # 3 standard deviations of 300 draws
     assert pinned == {V1: 40}, "a request naming a version gets that version"
 
 

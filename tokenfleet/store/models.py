@@ -1,9 +1,10 @@
 """The ORM tables. Migrations in `migrations/versions/` create exactly this schema (a test compares them)."""
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import date, datetime, timezone
 
-from sqlalchemy import BigInteger, DateTime, Float, ForeignKey, MetaData, String, UniqueConstraint
+from sqlalchemy import (BigInteger, Date, DateTime, Float, ForeignKey, Index, Integer, MetaData, String, Text,
+                        UniqueConstraint)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
@@ -96,3 +97,47 @@ class ApiKey(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+# A 64-bit counter that autoincrements on both backends (SQLite only does so for a plain INTEGER primary key).
+ROW_ID = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class UsageOutboxRow(Base):
+    """A usage event written at request end in the request's own short transaction, waiting to be shipped to the
+    event log (sent_at NULL) or already shipped (kept a while, then purged)."""
+
+    __tablename__ = "usage_outbox"
+
+    id: Mapped[int] = mapped_column(ROW_ID, primary_key=True, autoincrement=True)
+    request_id: Mapped[str] = mapped_column(String(128), unique=True)
+    payload: Mapped[str] = mapped_column(Text)  # UsageEvent.to_json()
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    sent_at: Mapped[datetime | None] = mapped_column(UTCDateTime, index=True)
+
+
+class UsageEventRow(Base):
+    """The warehouse: one row per request, exactly once (request_id is the key every writer inserts against)."""
+
+    __tablename__ = "usage_events"
+    __table_args__ = (Index("ix_usage_events_org_id_day", "org_id", "day"),)
+
+    request_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    org_id: Mapped[str] = mapped_column(String(64))
+    user_id: Mapped[str] = mapped_column(String(64))
+    key_id: Mapped[str] = mapped_column(String(64))
+    model: Mapped[str] = mapped_column(String(200))
+    replica: Mapped[str] = mapped_column(String(200))
+    pool: Mapped[str] = mapped_column(String(64))
+    tier: Mapped[str] = mapped_column(String(64))
+    input_tokens: Mapped[int] = mapped_column(BigInteger)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger)
+    output_tokens: Mapped[int] = mapped_column(BigInteger)
+    ttft_s: Mapped[float | None] = mapped_column(Float)
+    latency_s: Mapped[float] = mapped_column(Float)
+    status: Mapped[str] = mapped_column(String(16))
+    route: Mapped[str] = mapped_column(String(500))
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    ended_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    day: Mapped[date] = mapped_column(Date, index=True)  # UTC date of ended_at: the billing day
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)  # when the writer stored it

@@ -1,0 +1,80 @@
+"""The outbox on SQLite and PostgreSQL: add is idempotent per request, pending is oldest first, mark_sent and
+purge_sent, and resending what the warehouse never got."""
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import func, select
+
+from tests.metering.helpers import event, events
+from tokenfleet.metering import Outbox
+from tokenfleet.metering.warehouse import WAREHOUSE, warehouse_row
+from tokenfleet.metering.sql import insert_ignoring
+from tokenfleet.store.db import Database
+from tokenfleet.store.models import UsageOutboxRow, utcnow
+
+pytestmark = pytest.mark.anyio
+
+
+async def outbox_rows(db: Database) -> int:
+    async with db.session() as session:
+        return (await session.execute(select(func.count()).select_from(UsageOutboxRow))).scalar_one()
+
+
+async def test_add_is_idempotent_on_request_id(db: Database, outbox: Outbox):
+    assert await outbox.add(event(1)) is True
+    assert await outbox.add(event(1)) is False
+    assert await outbox.add(event(1, output_tokens=999)) is False  # the first write of a request wins
+    assert await outbox_rows(db) == 1
+    [(_, stored)] = await outbox.pending()
+    assert stored == event(1)
+
+
+async def test_concurrent_adds_of_one_request_write_one_row(db: Database, outbox: Outbox):
+    added = await asyncio.gather(*(outbox.add(event(3)) for _ in range(10)))
+    assert added.count(True) == 1 and await outbox_rows(db) == 1
+
+
+async def test_pending_is_oldest_first_and_limited(outbox: Outbox):
+    for e in events(5):
+        await outbox.add(e)
+    first = await outbox.pending(3)
+    assert [e.request_id for _, e in first] == [e.request_id for e in events(3)]
+    assert [row_id for row_id, _ in first] == sorted(row_id for row_id, _ in first)
+    assert len(await outbox.pending(100)) == 5
+    with pytest.raises(ValueError, match="limit must be at least 1"):
+        await outbox.pending(0)
+
+
+async def test_mark_sent_takes_rows_out_of_pending(outbox: Outbox):
+    for e in events(4):
+        await outbox.add(e)
+    pending = await outbox.pending()
+    await outbox.mark_sent([row_id for row_id, _ in pending[:3]])
+    await outbox.mark_sent([])
+    assert [e for _, e in await outbox.pending()] == [pending[3][1]]
+    assert await outbox.pending_count() == 1
+    assert await outbox.add(pending[0][1]) is False  # sent, but still there: still idempotent
+
+
+async def test_purge_deletes_only_rows_sent_before_the_cutoff(db: Database, outbox: Outbox):
+    for e in events(3):
+        await outbox.add(e)
+    pending = await outbox.pending()
+    await outbox.mark_sent([pending[0][0]])
+    assert await outbox.purge_sent(timedelta(hours=1)) == 0  # sent just now: kept
+    assert await outbox.purge_sent(utcnow() + timedelta(seconds=1)) == 1  # a cutoff time works too
+    assert await outbox_rows(db) == 2 and await outbox.pending_count() == 2  # unsent rows are never purged
+
+
+async def test_resend_unwritten_requeues_sent_rows_without_a_warehouse_row(db: Database, outbox: Outbox):
+    for e in events(4):
+        await outbox.add(e)
+    await outbox.mark_sent([row_id for row_id, _ in await outbox.pending()])
+    async with db.session() as session, session.begin():  # two made it to the warehouse, two were lost in transit
+        await insert_ignoring(session, WAREHOUSE, [warehouse_row(e) for e in events(2)], key="request_id")
+    assert await outbox.resend_unwritten() == 2
+    assert [e.request_id for _, e in await outbox.pending()] == [e.request_id for e in events(2, first=2)]
+    assert await outbox.resend_unwritten() == 0  # pending rows are left alone

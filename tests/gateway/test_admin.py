@@ -17,11 +17,6 @@ TIERS = ("free", "paid", "enterprise", "batch")
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def store(tmp_path):
     async with Database(f"sqlite:///{tmp_path / 'admin.db'}") as db:
         await db.migrate()

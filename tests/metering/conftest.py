@@ -9,42 +9,8 @@ import pytest
 import redis
 
 from tests.metering.helpers import REDIS_URL
-from tests.store.backends import (POSTGRES_ADMIN_URL, create_postgres_database, database_url,
-                                  drop_postgres_database, reset_postgres_database)
 from tokenfleet.metering import EventLog, MemoryLog, Outbox, RedisStreamLog
 from tokenfleet.store.db import Database
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture(scope="session")
-def postgres_url():
-    try:
-        name = create_postgres_database()
-    except OSError as e:
-        pytest.fail(f"no PostgreSQL at {POSTGRES_ADMIN_URL} ({e}); .ci/run starts it, or set "
-                    "TOKENFLEET_TEST_POSTGRES")
-    yield database_url(name)
-    drop_postgres_database(name)
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request: pytest.FixtureRequest, tmp_path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'usage.db'}"
-    url = request.getfixturevalue("postgres_url")
-    reset_postgres_database(url)
-    return url
-
-
-@pytest.fixture
-async def db(db_url: str):
-    async with Database(db_url) as database:
-        await database.migrate()
-        yield database
 
 
 @pytest.fixture

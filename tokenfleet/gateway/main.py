@@ -33,7 +33,7 @@ from tokenfleet.replica.server import ReplicaService
 from tokenfleet.router.catalog import ModelCatalog
 from tokenfleet.router.registry import ReplicaRegistry
 from tokenfleet.router.router import Router
-from tokenfleet.store.db import Database, migrate, resolve_database_url
+from tokenfleet.store.db import Database, resolve_database_url
 from tokenfleet.store.tenants import TenantStore
 
 log = logging.getLogger(__name__)
@@ -74,11 +74,11 @@ def build_gateway(config: FleetConfig, models: dict[str, ModelInfo], make_upstre
     """The gateway: tenancy (keys from the database, or with `open_tier` one unauthenticated user), quotas, one
     fair dispatcher per model, the overload ladder, and the router over the configured (and registered) replicas.
     `make_upstream(url, name, kind)` is how the router reaches a replica."""
-    store, tiers = None, config.tiers
+    store, tiers, provisioned = None, config.tiers, {}
     if open_tier is not None and open_tier not in tiers:  # an open server's single user: no limits, first in line
         tiers = {**tiers, open_tier: TierConfig(priority=0, weight=1)}
     if config.database_url:
-        asyncio.run(migrate(config.database_url))
+        provisioned = asyncio.run(prepare_tenants(config.database_url))
         store = TenantStore(Database(config.database_url), config.tiers)
     if open_tier is None and store is None:
         raise ValueError("the gateway needs database_url (tenants and API keys); see deploy/fleet.example.yaml")
@@ -89,7 +89,6 @@ def build_gateway(config: FleetConfig, models: dict[str, ModelInfo], make_upstre
     if free_model and router.catalog.lookup(free_model) is None:
         raise ValueError(f"overload.free_model {free_model!r} is not a configured model")
     quota = quota_service(config)
-    provisioned = asyncio.run(provisioned_shares(config.database_url)) if store else {}
     dispatchers = {name: Dispatcher(tiers, config.dispatch.slots_per_replica * max(1, len(pools.replicas)),
                                     config.dispatch.quantum_tokens, provisioned=provisioned)
                    for name, pools in router.models.items()}
@@ -135,9 +134,11 @@ def load_models(config: FleetConfig) -> dict[str, ModelInfo]:
     return infos
 
 
-async def provisioned_shares(database_url: str) -> dict[str, float]:
-    """Organisations with a guaranteed share of the pool's token throughput (read at start)."""
+async def prepare_tenants(database_url: str) -> dict[str, float]:
+    """Before serving, in one connection: migrate the tenants database, then read the organisations with a
+    guaranteed share of the pool's token throughput (read at start only)."""
     async with Database(database_url) as db:
+        await db.migrate()
         orgs = await TenantStore(db).list_orgs()
     return {org.id: org.provisioned_share for org in orgs if org.provisioned_share}
 

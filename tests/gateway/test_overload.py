@@ -35,7 +35,7 @@ def ask(c: openai.OpenAI, max_tokens: int):
                                      max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})
 
 
-def wait_for_level(platform: Platform, level: int, timeout: float = 10.0) -> None:
+def wait_for_level(platform: Platform, level: int, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while metric(platform.base, "tokenfleet_overload_level") != level:
         assert time.monotonic() < deadline, f"overload level never reached {level}"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from tokenfleet.conversations.settings import ConversationSettings
 from tokenfleet.dispatch.overload import OverloadSettings
 from tokenfleet.quota.limits import Limits
 from tokenfleet.router.catalog import ModelSpec, PoolSpec, RoutingRule
@@ -219,6 +220,7 @@ class FleetConfig:
     resume_secret: str | None = None  # signs resume tokens; give every gateway of a fleet the same one
     models: list[ModelSpec] = field(default_factory=list)  # versions, aliases, pools; or model_name + replicas
     routing: RoutingSettings = field(default_factory=RoutingSettings)
+    conversations: ConversationSettings = field(default_factory=ConversationSettings)
 
     def served_models(self) -> list[ModelSpec]:
         """`models`, or the one model of the short form (model_name, model_path, replicas)."""
@@ -239,6 +241,8 @@ class FleetConfig:
             ("streams", StreamSettings), ("quota", QuotaSettings), ("dispatch", DispatchSettings),
             ("overload", OverloadSettings))}
         tiers = tiers_from_dict(raw.pop("tiers", None))
+        sections["conversations"] = section(ConversationSettings, raw.pop("conversations", None),
+                                            f"{path}: conversations")
         models = [ModelSpec.from_dict(m, f"{path}: models[{i}]") for i, m in enumerate(raw.pop("models", None) or [])]
         routing = routing_from_dict(raw.pop("routing", None), f"{path}: routing")
         config = cls(**raw, **sections, tiers=tiers, models=models, routing=routing)

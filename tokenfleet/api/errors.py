@@ -28,6 +28,11 @@ def not_found(message: str, param: str | None = None, code: str | None = None) -
     return APIError(404, message, "invalid_request_error", param, code)
 
 
+def conflict(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """409: the request is well formed but the resource's state does not allow it (e.g. stopping a finished reply)."""
+    return APIError(409, message, "invalid_request_error", param, code)
+
+
 def server_error(message: str) -> APIError:
     return APIError(500, message, "server_error")
 

@@ -141,3 +141,45 @@ class UsageEventRow(Base):
     ended_at: Mapped[datetime] = mapped_column(UTCDateTime)
     day: Mapped[date] = mapped_column(Date, index=True)  # UTC date of ended_at: the billing day
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)  # when the writer stored it
+
+
+class ConversationRow(Base):
+    """A user's conversation. No foreign key to users: an open embedded server's single user has no row there.
+    updated_at moves with every message, so "newest first" is by last activity."""
+
+    __tablename__ = "conversations"
+    __table_args__ = (Index("ix_conversations_owner_updated_at", "org_id", "user_id", "updated_at", "id"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    org_id: Mapped[str] = mapped_column(String(64))
+    user_id: Mapped[str] = mapped_column(String(64))
+    title: Mapped[str | None] = mapped_column(String(NAME_LENGTH))
+    system_prompt: Mapped[str | None] = mapped_column(Text)
+    model: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class MessageRow(Base):
+    """One message of a conversation. An assistant reply is saved while it streams (status streaming, updated_at
+    refreshed about every second), then complete, stopped or failed."""
+
+    __tablename__ = "messages"
+    __table_args__ = (UniqueConstraint("conversation_id", "seq"),
+                      Index("ix_messages_status_updated_at", "status", "updated_at"))
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    conversation_id: Mapped[str] = mapped_column(ForeignKey("conversations.id"))
+    seq: Mapped[int] = mapped_column(BigInteger)  # order within the conversation; page cursors point at it
+    role: Mapped[str] = mapped_column(String(16))
+    content: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16))
+    finish_reason: Mapped[str | None] = mapped_column(String(32))
+    model: Mapped[str | None] = mapped_column(String(200))
+    request_id: Mapped[str | None] = mapped_column(String(128))  # the generation writing this reply
+    tokens: Mapped[int] = mapped_column(BigInteger)  # the content's tokens: counted (user) or generated (assistant)
+    prompt_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    cached_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

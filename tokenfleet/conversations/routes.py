@@ -54,7 +54,7 @@ class ReplyBody(BaseModel):
         extra = dict(self.model_extra or {})
         unknown = sorted(set(extra) - SAMPLING)
         if unknown:
-            raise bad_request(f"unknown field {unknown[0]!r}; besides content, model and max_tokens a reply takes "
+            raise bad_request(f"unknown field {unknown[0]!r}; a reply takes model, max_tokens and "
                               f"{', '.join(sorted(SAMPLING))}", param=unknown[0])
         return ReplyOptions(self.model, self.max_tokens, extra)
 

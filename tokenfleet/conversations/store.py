@@ -135,7 +135,7 @@ class ConversationStore:
             return [message(r) for r in rows]
 
     async def messages(self, owner: Owner, conversation_id: str, limit: int, cursor: str | None = None,
-                       newest_first: bool = False) -> Page:
+                       newest_first: bool = True) -> Page:
         await self.fail_stale(conversation_id)
         order = MessageRow.seq.desc() if newest_first else MessageRow.seq
         query = (select(MessageRow).where(MessageRow.conversation_id == conversation_id).order_by(order)

@@ -28,3 +28,11 @@ def test_bad_settings_are_clear_start_up_errors(tmp_path, section, words):
     with pytest.raises(ValueError) as e:
         load(tmp_path, section)
     assert "conversations" in str(e.value) and words in str(e.value)
+
+
+def test_the_shipped_example_documents_the_section():
+    from tests.gateway.test_config import EXAMPLE
+
+    settings = FleetConfig.load(EXAMPLE).conversations
+    assert (settings.save_interval_s, settings.stale_after_s, settings.max_tokens) == (1.0, 30, 1024)
+    assert "conversations:" in EXAMPLE.read_text() and "stale_after_s" in EXAMPLE.read_text()

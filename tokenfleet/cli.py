@@ -156,6 +156,18 @@ def run_keys(args: argparse.Namespace) -> int:
     return run_keys_command(args)
 
 
+def add_usage(parser: argparse.ArgumentParser) -> None:
+    from tokenfleet.billing.usage_command import add_usage_arguments
+
+    add_usage_arguments(parser)
+
+
+def run_usage(args: argparse.Namespace) -> int:
+    from tokenfleet.billing.usage_command import run_usage_command
+
+    return run_usage_command(args)
+
+
 COMMANDS: list[Command] = [
     Command("serve", "gateway and one replica in one process (demo checkpoint without --model)", add_serve,
             run_serve),
@@ -165,6 +177,8 @@ COMMANDS: list[Command] = [
     Command("demo-model", "write a small random-weight Llama checkpoint (no download needed)",
             add_demo_model, run_demo_model),
     Command("keys", "create, list and revoke API keys (runs database migrations first)", add_keys, run_keys),
+    Command("usage", "tokens and cost by organisation, user, model and day; cost per million output tokens",
+            add_usage, run_usage),
 ]
 
 

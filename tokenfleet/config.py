@@ -141,6 +141,42 @@ class DispatchSettings:
             raise ValueError("load_interval_s and prefill_tokens_per_s must be positive")
 
 
+@dataclass
+class MeteringSettings:
+    """Usage events: outbox (the tenants' database) -> event log (a Redis Stream in a fleet) -> warehouse table."""
+
+    stream_key: str = "tokenfleet:usage"  # the Redis Stream
+    group: str = "warehouse"  # its consumer group
+    consumer: str = ""  # this gateway's warehouse writer; default: the host name (a restart resumes its entries)
+    write_warehouse: bool = True  # run a warehouse writer here (a fleet may run fewer writers than gateways)
+    lease_s: float = 30.0  # a request's open row outlives a dead gateway this long, then is closed as failed
+    checkpoint_s: float = 2.0  # how often running requests' counts are saved and their leases renewed
+    ship_interval_s: float = 0.5
+    keep_sent_s: float = 3600.0  # shipped outbox rows are purged after this
+
+    def __post_init__(self) -> None:
+        if not 0 < self.checkpoint_s < self.lease_s:
+            raise ValueError("need 0 < checkpoint_s < lease_s")
+        if not self.ship_interval_s > 0 or not self.keep_sent_s > 0:
+            raise ValueError("ship_interval_s and keep_sent_s must be positive")
+
+
+@dataclass
+class BillingSettings:
+    """Prices per million tokens by model (the key "*" for models not named), and what one replica costs per hour
+    (a GPU, or a CPU host), from which the cost of a million output tokens is derived."""
+
+    replica_hour_usd: float = 0.0
+    prices: dict = field(default_factory=dict)  # model -> {input, cached_input, output}, USD per 1M tokens
+
+    def __post_init__(self) -> None:
+        from tokenfleet.billing.prices import PriceTable
+
+        if self.replica_hour_usd < 0:
+            raise ValueError("replica_hour_usd must be >= 0")
+        self.table = PriceTable.from_dict(self.prices)
+
+
 def section(cls, raw: dict | None, where: str):
     """A settings dataclass from its YAML mapping; unknown keys and bad values are start-up errors naming `where`."""
     raw = dict(raw or {})
@@ -221,6 +257,8 @@ class FleetConfig:
     models: list[ModelSpec] = field(default_factory=list)  # versions, aliases, pools; or model_name + replicas
     routing: RoutingSettings = field(default_factory=RoutingSettings)
     conversations: ConversationSettings = field(default_factory=ConversationSettings)
+    metering: MeteringSettings = field(default_factory=MeteringSettings)
+    billing: BillingSettings = field(default_factory=BillingSettings)
 
     def served_models(self) -> list[ModelSpec]:
         """`models`, or the one model of the short form (model_name, model_path, replicas)."""
@@ -239,7 +277,7 @@ class FleetConfig:
             raise ValueError(f"{path}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         sections = {name: section(kind, raw.pop(name, None), f"{path}: {name}") for name, kind in (
             ("streams", StreamSettings), ("quota", QuotaSettings), ("dispatch", DispatchSettings),
-            ("overload", OverloadSettings))}
+            ("overload", OverloadSettings), ("metering", MeteringSettings), ("billing", BillingSettings))}
         tiers = tiers_from_dict(raw.pop("tiers", None))
         sections["conversations"] = section(ConversationSettings, raw.pop("conversations", None),
                                             f"{path}: conversations")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -166,3 +167,19 @@ def test_step_stats_account_for_the_step(llama_dir):
     parts = [stats.schedule_s, stats.prepare_s, stats.forward_s, stats.sample_s, stats.output_s]
     assert all(p >= 0 for p in parts) and stats.forward_s > 0
     assert 0 < stats.overhead_fraction() < 1
+
+
+def test_each_request_gets_its_share_of_step_time_by_tokens_computed(llama_dir):
+    engine = make_engine(llama_dir)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request(ids(200), params, "long")
+    engine.add_request(ids(10, start=5), params, "short")
+    finals, busy = {}, 0.0
+    while engine.has_unfinished():
+        started = time.perf_counter()
+        outputs = engine.step()
+        busy += time.perf_counter() - started
+        finals.update({o.request_id: o for o in outputs if o.finished})
+    shares = {rid: out.engine_s for rid, out in finals.items()}
+    assert sum(shares.values()) == pytest.approx(busy, rel=0.1)  # the steps' time, nothing more or less
+    assert shares["long"] > shares["short"] > 0  # prefilled 200 tokens against 10, then decoded alike

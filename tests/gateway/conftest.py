@@ -18,7 +18,9 @@ from tests.store.backends import create_postgres_database, database_url, drop_po
 MODEL = "tiny"
 ADMIN_KEY = "test-admin-key"
 # free users may run one request at a time: the quota tests lean on that
+PRICES = {MODEL: {"input": 1.0, "cached_input": 0.5, "output": 4.0}}  # USD per million tokens
 TENANCY = {"admin_key": ADMIN_KEY, "streams": {"disconnect_grace_s": 0.5}, "dispatch": {"load_interval_s": 0.2},
+           "billing": {"replica_hour_usd": 3.6, "prices": PRICES},
            "tiers": {"free": {"priority": 1, "weight": 2, "on_quota_outage": "closed",
                               "user_limits": {"concurrent_requests": 1, "requests_per_minute": 1000,
                                               "tokens_per_minute": 1_000_000}}}}
@@ -32,6 +34,7 @@ class Platform:
     keys: dict[str, str] = field(default_factory=dict)  # "paid" / "free" / "other" -> API key
     replicas: list[str] = field(default_factory=list)  # fleet: replica base URLs
     prefix: str = ""  # fleet: this run's Redis key prefix
+    database_url: str = ""  # tenants and usage
 
     def admin(self, method: str, path: str, **kwargs) -> httpx.Response:
         return httpx.request(method, f"{self.base}/admin/v1{path}", headers={"Authorization": f"Bearer {ADMIN_KEY}"},
@@ -69,7 +72,7 @@ def fleet(demo_model_dir, tmp_path_factory):
     config = {"model_name": MODEL, "model_path": str(demo_model_dir), "port": gateway_port,
               "replicas": [f"http://127.0.0.1:{p}" for p in ports], "redis_url": "redis://127.0.0.1:6379/0",
               "redis_prefix": prefix + "stream:", "database_url": database_url(database), **TENANCY,
-              "quota": {"prefix": prefix + "quota:"}}
+              "quota": {"prefix": prefix + "quota:"}, "metering": {"stream_key": prefix + "usage"}}
     (logs / "fleet.yaml").write_text(yaml.safe_dump(config))
     try:
         with running_process(replica_args(demo_model_dir, ports[0]), f"http://127.0.0.1:{ports[0]}/health",
@@ -79,7 +82,8 @@ def fleet(demo_model_dir, tmp_path_factory):
                 running_process(["gateway", "--config", str(logs / "fleet.yaml")],
                                 f"http://127.0.0.1:{gateway_port}/health", logs / "gateway.log"):
             yield with_tenants(Platform(f"http://127.0.0.1:{gateway_port}", "fleet", logs / "gateway.log",
-                                        replicas=[f"http://127.0.0.1:{p}" for p in ports], prefix=prefix))
+                                        replicas=[f"http://127.0.0.1:{p}" for p in ports], prefix=prefix,
+                                        database_url=database_url(database)))
     finally:
         client = redis.Redis(host="127.0.0.1", port=6379)
         keys = list(client.scan_iter(match=prefix + "*"))
@@ -97,7 +101,8 @@ def serving_with_auth(model_dir, logs: Path, config: dict):
             "--kv-cache-gib", "0.05", "--max-model-len", "512", "--auth", "--config", str(logs / "fleet.yaml"),
             "--database-url", f"sqlite:///{logs / 'tenants.db'}"]
     with running_process(args, f"http://127.0.0.1:{port}/health", logs / "serve.log"):
-        yield Platform(f"http://127.0.0.1:{port}", "embedded", logs / "serve.log")
+        yield Platform(f"http://127.0.0.1:{port}", "embedded", logs / "serve.log",
+                       database_url=f"sqlite:///{logs / 'tenants.db'}")
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """A gateway built by the real wiring (gateway.main.build_gateway) over stand-in replicas, driven in process."""
 from __future__ import annotations
 
-from tokenfleet.config import FleetConfig, StreamSettings
+from tokenfleet.config import FleetConfig, MeteringSettings, StreamSettings
 from tokenfleet.gateway.gateway import Gateway, ModelInfo
 from tokenfleet.gateway.main import build_gateway
 from tokenfleet.gateway.resume import MemoryResumeBuffer
@@ -12,10 +12,13 @@ MODEL = "tiny"
 
 
 def inprocess_gateway(model_dir, upstreams: list, open_tier: str = "local", buffer=None, quota=None,
+                      database_url: str | None = None, metering: MeteringSettings | None = None,
                       **stream_settings) -> Gateway:
     """One model, `upstreams` as its replicas (named by their .name), an open gateway whose single user is on
-    `open_tier` (the default "local" has no limits; name a configured tier such as "free" to get its limits)."""
-    config = FleetConfig(MODEL, str(model_dir), streams=StreamSettings(**stream_settings))
+    `open_tier` (the default "local" has no limits; name a configured tier such as "free" to get its limits).
+    With a database_url it meters usage (its services must run: see `running_services`)."""
+    config = FleetConfig(MODEL, str(model_dir), streams=StreamSettings(**stream_settings), database_url=database_url,
+                         metering=metering or MeteringSettings())
     info = ModelInfo(MODEL, Tokenizer.from_dir(model_dir), 512)
     gateway, _ = build_gateway(config, {MODEL: info}, lambda url, name, kind: None, open_tier,
                                buffer or MemoryResumeBuffer())

@@ -14,12 +14,13 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def server(demo_model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     args = ["serve", "--model", str(demo_model_dir), "--port", str(port), "--served-model-name", MODEL,
             "--kv-cache-gib", "0.05", "--max-model-len", "2048", "--disconnect-grace", "0.5",
-            "--safety-hook", "tests.gateway.hooks:refuse_forbidden"]
-    with running_process(args, f"{base}/health", tmp_path_factory.mktemp("logs") / "serve.log"):
+            "--safety-hook", "tests.gateway.hooks:refuse_forbidden", "--database-url", f"sqlite:///{logs / 'serve.db'}"]
+    with running_process(args, f"{base}/health", logs / "serve.log"):
         yield base
 
 

@@ -78,3 +78,31 @@ async def test_resend_unwritten_requeues_sent_rows_without_a_warehouse_row(db: D
     assert await outbox.resend_unwritten() == 2
     assert [e.request_id for _, e in await outbox.pending()] == [e.request_id for e in events(2, first=2)]
     assert await outbox.resend_unwritten() == 0  # pending rows are left alone
+
+
+async def test_an_open_row_is_not_shipped_until_closed(outbox: Outbox):
+    lease = utcnow() + timedelta(seconds=30)
+    assert await outbox.open(event(7, output_tokens=0), lease) is True
+    assert await outbox.pending() == [] and await outbox.pending_count() == 0
+    await outbox.checkpoint([event(7, output_tokens=4)], lease)
+    assert await outbox.pending() == []
+    assert await outbox.close(event(7, output_tokens=9)) is True
+    [(_, final)] = await outbox.pending()
+    assert final.output_tokens == 9 and final.status == "finished"
+    assert await outbox.close(event(7, output_tokens=11)) is False  # the first final word stands
+
+
+async def test_a_row_whose_lease_ran_out_is_reaped_once_as_failed_with_its_last_counts(outbox: Outbox):
+    await outbox.open(event(8, output_tokens=0), utcnow() + timedelta(seconds=30))
+    await outbox.checkpoint([event(8, output_tokens=5)], utcnow() - timedelta(seconds=1))  # its gateway died
+    await outbox.open(event(9), utcnow() + timedelta(seconds=30))  # alive
+    reaped = await asyncio.gather(outbox.reap(), outbox.reap())
+    assert sum(reaped) == 1
+    [(_, final)] = await outbox.pending()
+    assert (final.request_id, final.status, final.output_tokens) == (event(8).request_id, "failed", 5)
+    assert await outbox.close(event(8)) is False  # the gateway was only slow: the reaped event stands
+
+
+async def test_a_close_without_an_open_row_writes_the_event(outbox: Outbox):
+    assert await outbox.close(event(10)) is True
+    assert [e.request_id for _, e in await outbox.pending()] == [event(10).request_id]

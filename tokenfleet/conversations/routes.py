@@ -4,6 +4,7 @@ Every route acts for the caller's own user; another user's ids answer 404, as if
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
@@ -115,15 +116,24 @@ def add_conversation_routes(app: FastAPI, gateway: Gateway, db: Database,
 
 def _limit(request: Request, settings: ConversationSettings) -> int:
     raw = request.query_params.get("limit", "20")
-    if not raw.isdigit() or not 1 <= int(raw) <= settings.max_page:
+    if not re.fullmatch(r"[0-9]{1,6}", raw) or not 1 <= int(raw) <= settings.max_page:
         raise bad_request(f"limit must be a whole number from 1 to {settings.max_page}", param="limit")
     return int(raw)
 
 
-def _check_text(text: str | None, what: str, settings: ConversationSettings) -> None:
-    if text is not None and len(text) > settings.max_message_chars:
-        raise APIError(413, f"the {what} is {len(text)} characters long; the most is {settings.max_message_chars}",
-                       param=what, code="message_too_large")
+def _check_text(text: str | None, what: str, limit: int) -> None:
+    """Text the database can store: not too long, no NUL characters, no lone surrogates (JSON allows both)."""
+    if text is None:
+        return
+    if len(text) > limit:
+        raise APIError(413, f"the {what} is {len(text)} characters long; the most is {limit}", param=what,
+                       code="message_too_large")
+    if "\x00" in text:
+        raise bad_request(f"the {what} contains a NUL character", param=what)
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise bad_request(f"the {what} is not valid Unicode (it has a lone surrogate)", param=what) from None
 
 
 def _conversation_routes(app: FastAPI, gateway: Gateway, service: ConversationService) -> None:
@@ -133,7 +143,8 @@ def _conversation_routes(app: FastAPI, gateway: Gateway, service: ConversationSe
     async def create(request: Request) -> JSONResponse:
         caller = await gateway.auth.caller(request)
         body = parse(NewConversation, await read_json(request))
-        _check_text(body.system_prompt, "system_prompt", settings)
+        _check_text(body.system_prompt, "system_prompt", settings.max_message_chars)
+        _check_text(body.title, "title", NAME_LENGTH)
         model = body.model or service.default_model()
         service.model_info(model)  # 404 for an unknown model
         conv = await store.create(owner_of(caller), model, body.title or None, body.system_prompt or None)
@@ -157,6 +168,7 @@ def _conversation_routes(app: FastAPI, gateway: Gateway, service: ConversationSe
     async def rename(conversation_id: str, request: Request) -> dict:
         caller = await gateway.auth.caller(request)
         body = parse(ConversationChanges, await read_json(request))
+        _check_text(body.title, "title", NAME_LENGTH)
         with conversation_errors():
             return conversation_json(await store.set_title(owner_of(caller), conversation_id, body.title or None))
 
@@ -205,7 +217,7 @@ def _reply_routes(app: FastAPI, gateway: Gateway, service: ConversationService) 
         body = parse(NewMessage, await read_json(request))
         if not body.content.strip():
             raise bad_request("content must not be empty", param="content")
-        _check_text(body.content, "content", settings)
+        _check_text(body.content, "content", settings.max_message_chars)
         with conversation_errors():
             # a client that leaves while its request waits for room gives the room back; once it runs, the reply
             # goes on (and is saved) whether the client stays or not

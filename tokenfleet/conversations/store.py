@@ -6,6 +6,7 @@ conversation's row, which holds PostgreSQL's row lock (SQLite's write lock) unti
 never stream in one conversation at once and sequence numbers never collide."""
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
@@ -23,6 +24,21 @@ from tokenfleet.store.records import NotFound
 
 TITLE_CHARS = 60  # a title made from the first message
 LOST = "the gateway generating this reply stopped (restart or crash); regenerate it"
+ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
+MAX_SEQ = 2**63 - 1
+
+
+def known(ref: str, what: str) -> str:
+    """An id as our ids look; anything else (too long, a NUL byte PostgreSQL would refuse) is simply not found."""
+    if not ID_PATTERN.fullmatch(ref):
+        raise NotFound(f"no {what} {ref[:80]!r}")
+    return ref
+
+
+def storable(text: str) -> str:
+    """Generated text as the database takes it: PostgreSQL refuses NUL characters, which a byte-level tokenizer
+    can produce; they become U+FFFD, as undecodable bytes do."""
+    return text.replace("\x00", "\ufffd")
 
 
 def conversation(row: ConversationRow) -> Conversation:
@@ -76,6 +92,7 @@ class ConversationStore:
         return conversation(row)
 
     async def get(self, owner: Owner, conversation_id: str) -> Conversation:
+        known(conversation_id, "conversation")
         async with self._transaction() as session:
             return conversation(await self._owned(session, owner, conversation_id))
 
@@ -97,7 +114,9 @@ class ConversationStore:
             try:
                 at = datetime.fromisoformat(moment)
             except ValueError:
-                raise cursors.BadCursor(f"cursor {cursor[:40]!r} is not one this listing gave out") from None
+                at = None
+            if at is None or at.tzinfo is None or not ID_PATTERN.fullmatch(last_id):
+                raise cursors.BadCursor(f"cursor {cursor[:40]!r} is not one this listing gave out")
             query = query.where(or_(ConversationRow.updated_at < at,
                                     and_(ConversationRow.updated_at == at, ConversationRow.id < last_id)))
         async with self._transaction() as session:
@@ -108,6 +127,7 @@ class ConversationStore:
                     cursors.encode("c", last.updated_at.isoformat(), last.id) if more else None)
 
     async def set_title(self, owner: Owner, conversation_id: str, title: str | None) -> Conversation:
+        known(conversation_id, "conversation")
         async with self._transaction() as session:
             row = await self._owned(session, owner, conversation_id)
             row.title = title
@@ -115,6 +135,7 @@ class ConversationStore:
 
     async def delete(self, owner: Owner, conversation_id: str) -> list[str]:
         """Deletes the conversation and its messages; returns the ids of replies that were streaming."""
+        known(conversation_id, "conversation")
         async with self._transaction() as session:
             await self._owned(session, owner, conversation_id)
             streaming = list(await session.scalars(select(MessageRow.id).where(
@@ -127,7 +148,7 @@ class ConversationStore:
 
     async def history(self, owner: Owner, conversation_id: str) -> list[Message]:
         """Every message of the conversation, oldest first (stale replies failed first)."""
-        await self.fail_stale(conversation_id)
+        await self.fail_stale(known(conversation_id, "conversation"))
         async with self._transaction() as session:
             await self._owned(session, owner, conversation_id)
             rows = await session.scalars(select(MessageRow).where(MessageRow.conversation_id == conversation_id)
@@ -136,12 +157,14 @@ class ConversationStore:
 
     async def messages(self, owner: Owner, conversation_id: str, limit: int, cursor: str | None = None,
                        newest_first: bool = True) -> Page:
-        await self.fail_stale(conversation_id)
+        await self.fail_stale(known(conversation_id, "conversation"))
         order = MessageRow.seq.desc() if newest_first else MessageRow.seq
         query = (select(MessageRow).where(MessageRow.conversation_id == conversation_id).order_by(order)
                  .limit(limit + 1))
         if cursor is not None:
             (after,) = cursors.decode(cursor, "m" + ("d" if newest_first else "a"), int)
+            if not 0 <= after <= MAX_SEQ:
+                raise cursors.BadCursor(f"cursor {cursor[:40]!r} is not one this listing gave out")
             query = query.where(MessageRow.seq < after if newest_first else MessageRow.seq > after)
         async with self._transaction() as session:
             await self._owned(session, owner, conversation_id)
@@ -151,7 +174,7 @@ class ConversationStore:
         return Page([message(r) for r in rows], cursors.encode(kind, rows[-1].seq) if more else None)
 
     async def message(self, owner: Owner, message_id: str) -> Message:
-        found = await self._message(owner, message_id)
+        found = await self._message(owner, known(message_id, "message"))
         if found.status == STREAMING and found.updated_at < utcnow() - self.stale_after:
             await self.fail_stale(found.conversation_id)
             found = await self._message(owner, message_id)
@@ -184,6 +207,7 @@ class ConversationStore:
     async def add_turn(self, owner: Owner, conversation_id: str, content: str, tokens: int, request_id: str,
                        model: str) -> tuple[Message, Message]:
         """The user's message and the reply that will stream into it (empty, status streaming)."""
+        known(conversation_id, "conversation")
         async with self._transaction() as session:
             conv = await self._take_turn(session, owner, conversation_id)
             busy = await session.scalar(select(MessageRow.id).where(
@@ -207,6 +231,7 @@ class ConversationStore:
     async def reopen(self, owner: Owner, message_id: str, request_id: str, model: str,
                      continuing: bool) -> Message:
         """The conversation's last reply streams again: from scratch (regenerate) or after its text (continue)."""
+        known(message_id, "message")
         async with self._transaction() as session:
             row = await self._owned_message(session, owner, message_id)
             await self._take_turn(session, owner, row.conversation_id)
@@ -227,14 +252,14 @@ class ConversationStore:
         async with self._transaction() as session:
             saved = await session.execute(update(MessageRow).where(
                 MessageRow.id == message_id, MessageRow.request_id == request_id, MessageRow.status == STREAMING)
-                .values(content=content, tokens=tokens, updated_at=utcnow()))
+                .values(content=storable(content), tokens=tokens, updated_at=utcnow()))
             return saved.rowcount == 1
 
     async def finish(self, message_id: str, request_id: str, outcome: Outcome) -> Message | None:
         """The reply's final text and status. If someone else ended it meanwhile (a stop through another gateway),
         their status stands and only the text is saved. None when the message is gone."""
         mine = and_(MessageRow.id == message_id, MessageRow.request_id == request_id)
-        counts = dict(content=outcome.content, tokens=outcome.tokens, prompt_tokens=outcome.prompt_tokens,
+        counts = dict(content=storable(outcome.content), tokens=outcome.tokens, prompt_tokens=outcome.prompt_tokens,
                       cached_tokens=outcome.cached_tokens, updated_at=utcnow())
         async with self._transaction() as session:
             ended = await session.execute(update(MessageRow).where(mine, MessageRow.status == STREAMING).values(

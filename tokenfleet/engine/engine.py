@@ -37,6 +37,7 @@ class RequestOutput:
     error: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    engine_s: float = 0.0  # the request's share of engine step time so far
 
 
 @dataclass
@@ -177,6 +178,7 @@ class Engine:
             log.exception("model step failed")
             return self._fail_step(out, f"model step failed: {e}")
         sampled_at = time.perf_counter()
+        _share_step_time(out, sampled_at - started)
         self.scheduler.update(out)
         outputs = [] if result is None else [
             self._append(req, tok, lp) for req, tok, lp in zip(sampled, result.token_ids, result.logprobs)]
@@ -242,4 +244,12 @@ class Engine:
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, token_ids=req.output_token_ids,
             text=tracked.text, new_token_ids=new_ids, new_text=delta, num_cached_tokens=max(req.num_cached_tokens, 0),
             finished=req.is_finished, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
-            error=req.error, logprobs=req.logprobs, new_logprobs=new_lps)
+            error=req.error, logprobs=req.logprobs, new_logprobs=new_lps, engine_s=req.engine_s)
+
+
+def _share_step_time(out: SchedulerOutput, seconds: float) -> None:
+    """Splits a step's time over its requests by the tokens each computed in it, so that the requests' engine
+    time adds up to the time the engine was busy (what a replica-hour price is divided by)."""
+    total = out.num_tokens
+    for chunk in out.chunks if total else ():
+        chunk.req.engine_s += seconds * chunk.num_tokens / total

@@ -102,6 +102,7 @@ class Request:
     error: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_preemptions: int = 0
+    engine_s: float = 0.0  # its share of the engine's step time so far (for cost per token)
     generator: torch.Generator | None = None
 
     def __post_init__(self) -> None:

@@ -10,7 +10,7 @@ import logging
 import secrets
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from starlette.requests import Request
@@ -29,11 +29,14 @@ from tokenfleet.gateway.relay import Relay
 from tokenfleet.gateway.resume import ResumeBuffer
 from tokenfleet.gateway.routing import RoutedRequest, routed_chunks
 from tokenfleet.gateway.safety import SafetyHook, allow_all
+from tokenfleet.gateway.usage import usage_event
 from tokenfleet.gateway.sse_response import SlowClient, SSEResponse
 from tokenfleet.model.tokenizer import Tokenizer
+from tokenfleet.metering.recorder import UsageRecorder
 from tokenfleet.router.catalog import RequestFacts, Resolution
 from tokenfleet.router.pool import Route
 from tokenfleet.router.router import Router
+from tokenfleet.store.db import Database
 
 log = logging.getLogger(__name__)
 Body = ChatCompletionRequest | CompletionRequest
@@ -56,6 +59,7 @@ class Prepared:
     body: dict
     resolution: Resolution
     prompts: list[list[int]]
+    arrived: float = field(default_factory=time.monotonic)  # for the usage record's latency and TTFT
 
     @property
     def choices(self) -> int:
@@ -77,6 +81,8 @@ class Gateway:
         self.resume_secret = resume_secret or secrets.token_bytes(32)
         self.services: list[Callable[[], Awaitable[None]]] = []  # background loops, run while the app serves
         self.closers: list[Callable[[], Awaitable[None]]] = []  # called once at shutdown
+        self.usage: UsageRecorder | None = None  # metering: a usage event per admitted request
+        self.db: Database | None = None  # tenants, usage, conversations
 
     # --- validation -------------------------------------------------------------------------------------------
 
@@ -148,9 +154,13 @@ class Gateway:
                 raise bad_request(refusal, code="content_filter")
             await queued
             return await self.start_relay(p, _event_format(p.request_id, p.req, native), admitted, affinity)
-        except BaseException:
+        except BaseException as e:
             queued.cancel()
             self._spawn(self._give_back(queued, admitted))
+            if self.usage is not None and p.request_id not in self.relays:  # it never ran: no tokens, no route
+                status = "cancelled" if isinstance(e, asyncio.CancelledError) else "failed"
+                self.usage.finished(usage_event(p.request_id, p.resolution.model.name, caller, p.arrived, None,
+                                                status))
             raise
 
     async def _give_back(self, queued: asyncio.Future, admitted: Admitted) -> None:
@@ -172,15 +182,21 @@ class Gateway:
         relay.route = route
         self.relays[relay.request_id] = relay
         await relay.start(routed_chunks(routed))
-        relay.task.add_done_callback(lambda _: self._relay_done(relay, admitted, p.choices))
+        if self.usage is not None and admitted is not None:
+            caller = admitted.caller
+            self.usage.started(p.request_id, lambda: usage_event(p.request_id, model, caller, p.arrived, relay))
+        relay.task.add_done_callback(lambda _: self._relay_done(relay, admitted, p))
         self._maybe_shadow(p, route)
         return relay
 
-    def _relay_done(self, relay: Relay, admitted: Admitted | None, choices: int) -> None:
+    def _relay_done(self, relay: Relay, admitted: Admitted | None, p: Prepared) -> None:
         if relay.cancel_reason:
             self.metrics.cancels.labels(relay.cancel_reason).inc()
         if admitted is not None:
-            self._spawn(self.admission.leave(admitted, relay.usage, choices))
+            self._spawn(self.admission.leave(admitted, relay.usage, p.choices))
+            if self.usage is not None:
+                self.usage.finished(usage_event(p.request_id, p.resolution.model.name, admitted.caller, p.arrived,
+                                                relay))
         loop = asyncio.get_running_loop()
         loop.call_later(self.settings.disconnect_grace_s + 60, self.relays.pop, relay.request_id, None)
 

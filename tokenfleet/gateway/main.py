@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
 from pathlib import Path
 
 import httpx
@@ -15,6 +16,8 @@ from tokenfleet.config import EngineConfig, FleetConfig, TierConfig, engine_conf
 from tokenfleet.engine.async_engine import AsyncEngine
 from tokenfleet.dispatch.overload import OverloadLadder
 from tokenfleet.dispatch.queue import Dispatcher
+from tokenfleet.billing.routes import add_usage_routes
+from tokenfleet.conversations.routes import add_conversation_routes
 from tokenfleet.gateway.admin import add_admin_routes
 from tokenfleet.gateway.admission import Admission, watch_load
 from tokenfleet.gateway.app import Gateway, ModelInfo, create_gateway_app
@@ -22,6 +25,8 @@ from tokenfleet.gateway.auth import Authenticator
 from tokenfleet.gateway.resume import MemoryResumeBuffer, RedisResumeBuffer, ResumeBuffer
 from tokenfleet.gateway.safety import load_hook
 from tokenfleet.gateway.upstream import HttpUpstream, InProcessUpstream
+from tokenfleet.metering import MemoryLog, Outbox, OutboxShipper, RedisStreamLog, WarehouseWriter
+from tokenfleet.metering.recorder import UsageRecorder
 from tokenfleet.model.config import ModelConfig
 from tokenfleet.model.tokenizer import Tokenizer
 from tokenfleet.replica.metrics import load_report
@@ -74,14 +79,16 @@ def build_gateway(config: FleetConfig, models: dict[str, ModelInfo], make_upstre
     """The gateway: tenancy (keys from the database, or with `open_tier` one unauthenticated user), quotas, one
     fair dispatcher per model, the overload ladder, and the router over the configured (and registered) replicas.
     `make_upstream(url, name, kind)` is how the router reaches a replica."""
-    store, tiers, provisioned = None, config.tiers, {}
+    tiers = config.tiers
     if open_tier is not None and open_tier not in tiers:  # an open server's single user: no limits, first in line
         tiers = {**tiers, open_tier: TierConfig(priority=0, weight=1)}
+    if open_tier is None and not config.database_url:
+        raise ValueError("the gateway needs database_url (tenants, API keys, usage); see deploy/fleet.example.yaml")
+    db, store, provisioned = None, None, {}  # no database: an open gateway without metering (a library use)
     if config.database_url:
         provisioned = asyncio.run(prepare_tenants(config.database_url))
-        store = TenantStore(Database(config.database_url), config.tiers)
-    if open_tier is None and store is None:
-        raise ValueError("the gateway needs database_url (tenants and API keys); see deploy/fleet.example.yaml")
+        db = Database(config.database_url)
+        store = TenantStore(db, config.tiers)
     router = Router(ModelCatalog(config.served_models(), config.routing.rules), config.routing,
                     config.dispatch.slots_per_replica, make_upstream)
     router.add_configured_replicas()
@@ -99,9 +106,44 @@ def build_gateway(config: FleetConfig, models: dict[str, ModelInfo], make_upstre
                       load_hook(config.safety_hook), secret)
     add_background_work(gateway, config)
     gateway.closers.append(quota.close)
-    if store is not None:
-        gateway.closers.append(store.db.close)
+    if db is not None:
+        gateway.db = db
+        add_metering(gateway, config, db)
+        gateway.closers.append(db.close)
     return gateway, store
+
+
+def add_metering(gateway: Gateway, config: FleetConfig, db: Database) -> None:
+    """A usage event per request: the recorder keeps each request's outbox row, the shipper moves closed rows to
+    the event log (the Redis Stream in a fleet, in memory embedded), the writer fills the warehouse table."""
+    settings, outbox = config.metering, Outbox(db)
+    gateway.usage = UsageRecorder(outbox, settings.lease_s, settings.checkpoint_s)
+    if config.redis_url:
+        event_log = RedisStreamLog.from_url(config.redis_url, settings.stream_key, settings.group)
+    else:
+        event_log = MemoryLog()
+    shipper = OutboxShipper(outbox, event_log, settings.ship_interval_s, keep_sent_s=settings.keep_sent_s)
+
+    async def ship() -> None:
+        if isinstance(event_log, MemoryLog):  # what the last run's in-memory log held died with it
+            await resend_unwritten(outbox)
+        await shipper.run()
+
+    gateway.services += [gateway.usage.run, ship]
+    if settings.write_warehouse:
+        writer = WarehouseWriter(db, event_log, settings.consumer or socket.gethostname())
+        gateway.services.append(writer.run)
+    gateway.closers += [gateway.usage.flush, event_log.close]
+
+
+async def resend_unwritten(outbox: Outbox) -> None:
+    try:
+        resent = await outbox.resend_unwritten()
+    except Exception:  # the database is down: the reaper and the next start try again
+        log.exception("usage outbox: could not look for events the warehouse never got")
+        return
+    if resent:
+        log.info("usage outbox: %d event(s) shipped before the last stop were never written; resending", resent)
 
 
 def add_background_work(gateway: Gateway, config: FleetConfig) -> None:
@@ -143,10 +185,14 @@ async def prepare_tenants(database_url: str) -> dict[str, float]:
     return {org.id: org.provisioned_share for org in orgs if org.provisioned_share}
 
 
-def admin_routes(gateway: Gateway, store: TenantStore | None, admin_key: str | None, tiers):
+def admin_routes(gateway: Gateway, store: TenantStore | None, config: FleetConfig):
+    """The routes over the database: tenants and keys (admin), usage and costs."""
     def install(app: FastAPI) -> None:
         if store is not None:
-            add_admin_routes(app, store, admin_key, tiers, on_revoke=gateway.auth.forget_key)
+            add_admin_routes(app, store, config.admin_key, config.tiers, on_revoke=gateway.auth.forget_key)
+        if gateway.db is not None:
+            add_usage_routes(app, gateway, gateway.db, config.billing, config.admin_key)
+            add_conversation_routes(app, gateway, gateway.db, config.conversations)
     return install
 
 
@@ -164,7 +210,7 @@ def serve_gateway(args: argparse.Namespace) -> None:
     for name, pools in gateway.router.models.items():
         log.info("serving %s over %d configured replica(s)", name, len(pools.replicas))
     log.info("gateway on http://%s:%d", config.host, config.port)
-    app = create_gateway_app(gateway, admin_routes(gateway, store, config.admin_key, config.tiers), config.admin_key)
+    app = create_gateway_app(gateway, admin_routes(gateway, store, config), config.admin_key)
     run_http(app, config.host, config.port, config.drain_timeout_s)
 
 
@@ -185,7 +231,7 @@ def serve_embedded(args: argparse.Namespace) -> None:
                                    None if args.auth else "local", MemoryResumeBuffer())
     gateway.router.models[name].add("local", "", "local", "tokenfleet", lambda url, replica: local)
     gateway.extra_metrics = service.metrics.render
-    install_admin = admin_routes(gateway, store, config.admin_key, config.tiers)
+    install_admin = admin_routes(gateway, store, config)
 
     def replica_routes(app: FastAPI) -> None:
         app.get("/load")(lambda: load_report(engine.engine))
@@ -209,7 +255,7 @@ def embedded_config(args: argparse.Namespace, name: str, model_path: str) -> Fle
     config = FleetConfig.load(args.config) if args.config else FleetConfig()
     config.model_name, config.model_path, config.host, config.port = name, model_path, args.host, args.port
     config.models = []  # embedded: the one model of the flags
-    config.database_url = resolve_database_url(args.database_url, args.config) if args.auth else None
+    config.database_url = resolve_database_url(args.database_url, args.config)  # usage (and keys with --auth)
     config.admin_key = config.admin_key or os.environ.get("TOKENFLEET_ADMIN_KEY")
     config.safety_hook = args.safety_hook or config.safety_hook
     config.redis_url = None  # embedded: resume buffer and quotas in memory

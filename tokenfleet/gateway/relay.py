@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -30,6 +31,8 @@ class Relay:
     readers: int = 0
     task: asyncio.Task | None = None
     cancel_reason: str | None = None  # "api" (POST cancel) or "abandoned" (no reader came back in time)
+    first_token_at: float | None = None  # time.monotonic() of the first generated text
+    failure: str | None = None  # why generation failed, if it did
     _cancel_timer: asyncio.TimerHandle | None = None
 
     async def start(self, chunks: AsyncIterator[dict]) -> None:
@@ -42,16 +45,22 @@ class Relay:
                 if "retrying" in chunk:  # the replica died; the response goes on from another one
                     await self._emit_all(self.format.retrying(chunk["retrying"]))
                     continue
-                if chunk.get("usage"):
-                    self.usage = chunk["usage"]  # the final count, or the count so far if it gets cancelled
+                if self.first_token_at is None and chunk.get("choices"):
+                    self.first_token_at = time.monotonic()
+                if chunk.get("usage"):  # the final count, or the count so far if it gets cancelled
+                    self.usage = chunk["usage"]
+                    chunk["usage"] = {k: v for k, v in self.usage.items() if k != "engine_s"}  # metering's only
                 await self._emit_all(self.format.chunk(chunk))
         except APIError as e:
+            self.failure = e.message
             await self._emit_all(self.format.error(e))
         except asyncio.CancelledError:
+            self.cancel_reason = self.cancel_reason or "shutdown"
             log.info("request %s cancelled", self.request_id)
         except Exception as e:  # the replica broke mid-stream: the client gets an error event, not a hang
             log.exception("relay %s failed", self.request_id)
-            await self._emit_all(self.format.error(APIError(502, f"generation failed: {e}", "server_error")))
+            self.failure = f"generation failed: {e}"
+            await self._emit_all(self.format.error(APIError(502, self.failure, "server_error")))
         finally:
             await self._finish()
 
@@ -66,6 +75,11 @@ class Relay:
             await self.buffer.close(self.request_id)
         finally:
             self.finished.set()
+
+    @property
+    def status(self) -> str:
+        """How it ended, for its usage record: failed, cancelled or finished."""
+        return "failed" if self.failure else "cancelled" if self.cancel_reason else "finished"
 
     def cancel(self, reason: str = "api") -> bool:
         if self.finished.is_set() or self.task is None:

@@ -38,6 +38,7 @@ class UsageEvent:
     route: str  # the router's decision, logged for offline evaluation
     started_at: datetime
     ended_at: datetime
+    engine_s: float = 0.0  # its share of the replica's busy time: what replica-hour cost is divided by
 
     def __post_init__(self) -> None:
         _check_text(self)
@@ -67,7 +68,8 @@ class UsageEvent:
         if not isinstance(values, dict):
             raise ValueError(f"a usage event must be a JSON object, got {type(values).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
-        missing, unknown = names - values.keys(), values.keys() - names
+        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+        missing, unknown = required - values.keys(), values.keys() - names
         if missing or unknown:
             raise ValueError(f"usage event fields: missing {sorted(missing)}, unknown {sorted(unknown)}")
         given = dict(values)
@@ -105,6 +107,7 @@ def _check_numbers(event: UsageEvent) -> None:
     if event.cached_tokens > event.input_tokens:
         raise ValueError(f"cached_tokens ({event.cached_tokens}) exceeds input_tokens ({event.input_tokens})")
     _check_seconds(event.latency_s, "latency_s")
+    _check_seconds(event.engine_s, "engine_s")
     if event.ttft_s is not None:
         _check_seconds(event.ttft_s, "ttft_s")
 

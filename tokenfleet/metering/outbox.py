@@ -1,11 +1,16 @@
-"""The outbox: usage events written to the tenants' own SQL database at request end, one short transaction each,
-so an outage of the event log loses nothing. The shipper moves them on; sent rows are purged after a while."""
+"""The outbox: usage events in the tenants' own SQL database, so an outage of the event log loses nothing.
+
+A request's row is opened when it starts, with a lease its gateway keeps renewing (and its counts so far), and
+closed with the final event when it ends; only closed rows are shipped. A row whose lease ran out belongs to a
+gateway that died mid-request: `reap` closes it as failed with its last counts, so even a `kill -9` leaves one
+event per request. The shipper moves closed rows on; sent rows are purged after a while."""
 from __future__ import annotations
 
+import dataclasses
 from datetime import datetime, timedelta
 from typing import Sequence
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import bindparam, delete, func, select, update
 
 from tokenfleet.metering.event import UsageEvent
 from tokenfleet.metering.sql import insert_ignoring
@@ -21,15 +26,63 @@ class Outbox:
 
     async def add(self, event: UsageEvent) -> bool:
         """Stores the event; False (and nothing written) when its request_id is already in the outbox."""
-        row = {"request_id": event.request_id, "payload": event.to_json(), "created_at": utcnow(), "sent_at": None}
+        row = {"request_id": event.request_id, "payload": event.to_json(), "created_at": utcnow(), "sent_at": None,
+               "lease_until": None}
         async with self.db.session() as session, session.begin():
             return await insert_ignoring(session, OUTBOX, [row], key="request_id") == 1
+
+    async def open(self, event: UsageEvent, lease_until: datetime) -> bool:
+        """Opens the request's row with its provisional event; False when the request already has a row."""
+        row = {"request_id": event.request_id, "payload": event.to_json(), "created_at": utcnow(), "sent_at": None,
+               "lease_until": lease_until}
+        async with self.db.session() as session, session.begin():
+            return await insert_ignoring(session, OUTBOX, [row], key="request_id") == 1
+
+    async def checkpoint(self, events: Sequence[UsageEvent], lease_until: datetime) -> None:
+        """Renews the leases of open rows and stores their counts so far (one statement for all of them)."""
+        if not events:
+            return
+        statement = (OUTBOX.update().where(OUTBOX.c.request_id == bindparam("rid"), OUTBOX.c.lease_until.is_not(None))
+                     .values(payload=bindparam("body"), lease_until=bindparam("until")))
+        params = [{"rid": e.request_id, "body": e.to_json(), "until": lease_until} for e in events]
+        async with self.db.session() as session, session.begin():
+            await session.execute(statement, params)
+
+    async def close(self, event: UsageEvent) -> bool:
+        """Stores the final event and makes it shippable. False when the row was already closed (by a reaper that
+        thought this gateway dead, or an earlier close): the first final word stands."""
+        statement = (update(UsageOutboxRow).where(UsageOutboxRow.request_id == event.request_id,
+                                                  UsageOutboxRow.lease_until.is_not(None))
+                     .values(payload=event.to_json(), lease_until=None))
+        async with self.db.session() as session, session.begin():
+            if (await session.execute(statement)).rowcount == 1:
+                return True
+            row = {"request_id": event.request_id, "payload": event.to_json(), "created_at": utcnow(),
+                   "sent_at": None, "lease_until": None}
+            return await insert_ignoring(session, OUTBOX, [row], key="request_id") == 1
+
+    async def reap(self, now: datetime | None = None) -> int:
+        """Closes rows whose lease ran out (their gateway died) as failed, with their last counts. Returns how
+        many this call closed; several gateways may reap at once, each row is closed by one of them."""
+        now = now or utcnow()
+        expired = (select(UsageOutboxRow.request_id, UsageOutboxRow.payload)
+                   .where(UsageOutboxRow.lease_until < now).limit(500))
+        closed = 0
+        async with self.db.session() as session, session.begin():
+            for request_id, payload in (await session.execute(expired)).all():
+                final = dataclasses.replace(UsageEvent.from_json(payload), status="failed")
+                statement = (update(UsageOutboxRow).where(UsageOutboxRow.request_id == request_id,
+                                                          UsageOutboxRow.lease_until < now)
+                             .values(payload=final.to_json(), lease_until=None))
+                closed += (await session.execute(statement)).rowcount
+        return closed
 
     async def pending(self, limit: int = 500) -> list[tuple[int, UsageEvent]]:
         """The oldest events not yet shipped, with their row ids for `mark_sent`."""
         if limit < 1:
             raise ValueError(f"limit must be at least 1, got {limit}")
-        query = (select(UsageOutboxRow.id, UsageOutboxRow.payload).where(UsageOutboxRow.sent_at.is_(None))
+        query = (select(UsageOutboxRow.id, UsageOutboxRow.payload).where(UsageOutboxRow.sent_at.is_(None),
+                                                                   UsageOutboxRow.lease_until.is_(None))
                  .order_by(UsageOutboxRow.id).limit(limit))
         async with self.db.session() as session:
             rows = (await session.execute(query)).all()
@@ -52,7 +105,8 @@ class Outbox:
             return (await session.execute(statement)).rowcount
 
     async def pending_count(self) -> int:
-        query = select(func.count()).select_from(UsageOutboxRow).where(UsageOutboxRow.sent_at.is_(None))
+        query = select(func.count()).select_from(UsageOutboxRow).where(UsageOutboxRow.sent_at.is_(None),
+                                                                       UsageOutboxRow.lease_until.is_(None))
         async with self.db.session() as session:
             return (await session.execute(query)).scalar_one()
 

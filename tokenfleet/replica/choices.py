@@ -28,6 +28,7 @@ class ChoiceStream:
     first_token_at: float | None = None
     gaps: list[float] = field(default_factory=list)  # seconds between successive tokens of each choice
     _last_token_at: dict[int, float] = field(default_factory=dict)
+    _engine_s: dict[int, float] = field(default_factory=dict)  # per choice, as last reported
 
     def __post_init__(self) -> None:
         self.usage.prompt_tokens = sum(len(p) for p in self.prompts)
@@ -70,6 +71,11 @@ class ChoiceStream:
             queue.put_nowait(_DONE)
 
     def _account(self, index: int, out: RequestOutput) -> None:
+        """Usage counted as tokens arrive, so the count on every chunk is exact when a stream is cut short."""
+        if index not in self._engine_s and index % self.n == 0:  # each prompt's cache hits once, like its tokens
+            self.usage.cached_tokens += out.num_cached_tokens
+        self.usage.engine_s += out.engine_s - self._engine_s.get(index, 0.0)
+        self._engine_s[index] = out.engine_s
         if out.new_token_ids:
             now = time.monotonic()
             if self.first_token_at is None:
@@ -77,11 +83,9 @@ class ChoiceStream:
             if index in self._last_token_at:
                 self.gaps.append(now - self._last_token_at[index])
             self._last_token_at[index] = now
+            self.usage.completion_tokens += len(out.new_token_ids)
         if out.finished:
             self.finals[index] = out
-            self.usage.completion_tokens += len(out.token_ids)
-            if index % self.n == 0:  # count each prompt's cache hits once, like its prompt tokens
-                self.usage.cached_tokens += out.num_cached_tokens
 
     @property
     def num_choices(self) -> int:

@@ -12,6 +12,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from tokenfleet.store.db import Database, resolve_database_url
 from tokenfleet.store.records import KeyInfo
 from tokenfleet.store.tenants import TenantStore
+from tokenfleet.table import print_table
 
 COLUMNS = ("ID", "PREFIX", "ORG", "USER", "NAME", "CREATED", "LAST USED", "STATUS")
 
@@ -47,7 +48,7 @@ async def _run(args: argparse.Namespace, db: Database, tiers: Collection[str]) -
         if args.keys_action == "create":
             return await create(store, args)
         if args.keys_action == "list":
-            print_table(await store.list_keys(args.org))
+            print_keys(await store.list_keys(args.org))
             return 0
         return await revoke(store, args.key_id)
 
@@ -74,12 +75,9 @@ def _when(moment: datetime | None) -> str:
     return "-" if moment is None else moment.strftime("%Y-%m-%d %H:%M")
 
 
-def print_table(keys: list[KeyInfo]) -> None:
+def print_keys(keys: list[KeyInfo]) -> None:
     if not keys:
         print("no API keys")
         return
-    rows = [COLUMNS] + [(k.id, k.prefix + "…", k.org_name, k.user_name, k.name, _when(k.created_at),
-                         _when(k.last_used_at), "revoked" if k.revoked else "active") for k in keys]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
-    for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    print_table(COLUMNS, [(k.id, k.prefix + "…", k.org_name, k.user_name, k.name, _when(k.created_at),
+                           _when(k.last_used_at), "revoked" if k.revoked else "active") for k in keys])

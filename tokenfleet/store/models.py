@@ -104,8 +104,9 @@ ROW_ID = BigInteger().with_variant(Integer(), "sqlite")
 
 
 class UsageOutboxRow(Base):
-    """A usage event written at request end in the request's own short transaction, waiting to be shipped to the
-    event log (sent_at NULL) or already shipped (kept a while, then purged)."""
+    """A request's usage event: open while the request runs (lease_until set, refreshed by its gateway; a row
+    whose lease ran out belongs to a dead gateway and is closed as failed by another), then closed and waiting to
+    be shipped to the event log (sent_at NULL), then shipped (kept a while, then purged)."""
 
     __tablename__ = "usage_outbox"
 
@@ -114,6 +115,7 @@ class UsageOutboxRow(Base):
     payload: Mapped[str] = mapped_column(Text)  # UsageEvent.to_json()
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     sent_at: Mapped[datetime | None] = mapped_column(UTCDateTime, index=True)
+    lease_until: Mapped[datetime | None] = mapped_column(UTCDateTime, index=True)  # NULL once closed
 
 
 class UsageEventRow(Base):
@@ -135,6 +137,7 @@ class UsageEventRow(Base):
     output_tokens: Mapped[int] = mapped_column(BigInteger)
     ttft_s: Mapped[float | None] = mapped_column(Float)
     latency_s: Mapped[float] = mapped_column(Float)
+    engine_s: Mapped[float] = mapped_column(Float)  # the request's share of its replica's busy time
     status: Mapped[str] = mapped_column(String(16))
     route: Mapped[str] = mapped_column(String(500))
     started_at: Mapped[datetime] = mapped_column(UTCDateTime)

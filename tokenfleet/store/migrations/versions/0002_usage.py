@@ -23,10 +23,12 @@ def upgrade() -> None:
         sa.Column("payload", sa.Text(), nullable=False),
         sa.Column("created_at", UTC_TIME, nullable=False),
         sa.Column("sent_at", UTC_TIME, nullable=True),
+        sa.Column("lease_until", UTC_TIME, nullable=True),
         sa.PrimaryKeyConstraint("id", name="pk_usage_outbox"),
         sa.UniqueConstraint("request_id", name="uq_usage_outbox_request_id"),
     )
     op.create_index("ix_usage_outbox_sent_at", "usage_outbox", ["sent_at"])
+    op.create_index("ix_usage_outbox_lease_until", "usage_outbox", ["lease_until"])
     op.create_table(
         "usage_events",
         sa.Column("request_id", sa.String(128), nullable=False),
@@ -42,6 +44,7 @@ def upgrade() -> None:
         sa.Column("output_tokens", sa.BigInteger(), nullable=False),
         sa.Column("ttft_s", sa.Float(), nullable=True),
         sa.Column("latency_s", sa.Float(), nullable=False),
+        sa.Column("engine_s", sa.Float(), nullable=False),
         sa.Column("status", sa.String(16), nullable=False),
         sa.Column("route", sa.String(500), nullable=False),
         sa.Column("started_at", UTC_TIME, nullable=False),

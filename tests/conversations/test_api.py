@@ -256,6 +256,8 @@ async def test_unknown_ids_are_404(demo_model_dir, db):
             response = await client.request(method, path, json=body, headers=users.auth("ann"))
             assert response.status_code == 404, (path, response.text)
             assert set(response.json()["error"]) == ERROR_SHAPE and "nope" in response.json()["error"]["message"]
+        bare = await client.post("/v1/conversations", headers=users.auth("ann"))  # no body: every field is optional
+        assert bare.status_code == 201 and bare.json()["model"] == "tiny"
         unknown_model = await client.post("/v1/conversations", json={"model": "gpt-9"}, headers=users.auth("ann"))
         assert unknown_model.status_code == 404 and unknown_model.json()["error"]["code"] == "model_not_found"
 
@@ -283,7 +285,19 @@ async def test_bad_input_is_a_4xx_in_the_openai_shape(demo_model_dir, db):
             assert response.status_code == status, (body, response.text)
             error = response.json()["error"]
             assert set(error) == ERROR_SHAPE and error["param"] == param, (body, error)
-        for query in ({"limit": "0"}, {"limit": "many"}, {"cursor": "garbage"}, {"order": "sideways"}):
+        for path, raw, param in ((send, '{"content": "a\\u0000b"}', "content"),
+                                 (send, '{"content": "a\\ud800b"}', "content"),
+                                 ("/v1/conversations", '{"title": "\\u0000"}', "title"),
+                                 ("/v1/conversations", '{"system_prompt": "\\udfff"}', "system_prompt")):
+            response = await client.post(path, content=raw, headers={**users.auth("ann"),
+                                                                     "content-type": "application/json"})
+            assert response.status_code == 400 and response.json()["error"]["param"] == param, raw
+        for path in ("/v1/conversations/a%00b", f"/v1/conversations/{'c' * 300}/messages", "/v1/messages/m%00",
+                     "/v1/messages/%E2%82%AC"):
+            response = await client.get(path, headers=users.auth("ann"))
+            assert response.status_code == 404 and set(response.json()["error"]) == ERROR_SHAPE, path
+        for query in ({"limit": "0"}, {"limit": "many"}, {"limit": "\u00b2"}, {"cursor": "garbage"},
+                      {"cursor": "WyJtZCIsIDEwMDAwMDAwMDAwMDAwMDAwMDAwMDAw"}, {"order": "sideways"}):
             response = await client.get(f"/v1/conversations/{conv}/messages", params=query,
                                         headers=users.auth("ann"))
             assert response.status_code == 400 and set(response.json()["error"]) == ERROR_SHAPE, query

@@ -208,3 +208,22 @@ async def test_a_cursor_must_be_one_the_listing_gave_out(store):
         await store.messages(ANN, conv.id, 10, listing_cursor_kind)
     with pytest.raises(BadCursor):
         await store.list_conversations(ANN, 10, "WyJjIiwibm90IGEgdGltZSIsIngiXQ")
+
+
+async def test_generated_nul_characters_are_stored_as_replacement_characters(store):
+    """A byte-level tokenizer can produce "\\x00", which PostgreSQL refuses in text."""
+    conv = await store.create(ANN, "tiny")
+    _, reply = await store.add_turn(ANN, conv.id, "hi", 1, "req-1", "tiny")
+    assert await store.save_progress(reply.id, "req-1", "a\x00b", 2)
+    done = await store.finish(reply.id, "req-1", Outcome("a\x00bc", COMPLETE, "stop", 3, 1, 0, None))
+    assert done.content == "a\ufffdbc"
+
+
+async def test_ids_that_cannot_be_ours_are_not_found(store):
+    for bad in ("a\x00b", "x" * 65, "", "caf\u00e9"):
+        with pytest.raises(NotFound):
+            await store.get(ANN, bad)
+        with pytest.raises(NotFound):
+            await store.message(ANN, bad)
+        with pytest.raises(NotFound):
+            await store.history(ANN, bad)

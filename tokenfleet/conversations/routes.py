@@ -114,6 +114,11 @@ def add_conversation_routes(app: FastAPI, gateway: Gateway, db: Database,
     return service
 
 
+async def _optional_json(request: Request) -> object:
+    """The body, or {} when there is none (every field of these requests is optional)."""
+    return await read_json(request) if await request.body() else {}
+
+
 def _limit(request: Request, settings: ConversationSettings) -> int:
     raw = request.query_params.get("limit", "20")
     if not re.fullmatch(r"[0-9]{1,6}", raw) or not 1 <= int(raw) <= settings.max_page:
@@ -142,7 +147,7 @@ def _conversation_routes(app: FastAPI, gateway: Gateway, service: ConversationSe
     @app.post("/v1/conversations", status_code=201)
     async def create(request: Request) -> JSONResponse:
         caller = await gateway.auth.caller(request)
-        body = parse(NewConversation, await read_json(request))
+        body = parse(NewConversation, await _optional_json(request))
         _check_text(body.system_prompt, "system_prompt", settings.max_message_chars)
         _check_text(body.title, "title", NAME_LENGTH)
         model = body.model or service.default_model()
@@ -227,8 +232,7 @@ def _reply_routes(app: FastAPI, gateway: Gateway, service: ConversationService) 
 
     async def redo(message_id: str, request: Request, continuing: bool) -> SSEResponse:
         caller = await gateway.auth.caller(request)
-        raw = await read_json(request) if await request.body() else {}
-        options = parse(ReplyBody, raw).options()
+        options = parse(ReplyBody, await _optional_json(request)).options()
         with conversation_errors():
             run = await until_disconnect(request, service.redo(caller, message_id, continuing, options))
         return reply_stream(gateway, run, None)

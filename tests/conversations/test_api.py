@@ -340,3 +340,23 @@ async def test_a_shutdown_saves_replies_still_streaming_as_failed(demo_model_dir
         saved = (await client.get(f"/v1/messages/{reply['id']}", headers=users.auth("ann"))).json()
         assert saved["status"] == "failed" and "regenerate" in saved["error"] and saved["content"].startswith("w0")
         assert parse_sse((await posting).text)[-1][1]["status"] == "failed" and upstream.running == 0
+
+
+async def test_cursors_page_through_the_api_both_ways(demo_model_dir, db):
+    async with conversations_app(demo_model_dir, db, [SlowUpstream(count=1)]) as (client, _, users):
+        conv = await new_conversation(client, users)
+        for i in range(11):
+            await client.post(f"/v1/conversations/{conv}/messages", json={"content": f"m{i}"},
+                              headers=users.auth("ann"))
+        for order in ("asc", "desc"):
+            seen, params = [], {"limit": "5", "order": order}
+            while True:
+                page = (await client.get(f"/v1/conversations/{conv}/messages", params=params,
+                                         headers=users.auth("ann"))).json()
+                seen += [m["content"] for m in page["data"]]
+                assert page["has_more"] == (page["next_cursor"] is not None)
+                if not page["has_more"]:
+                    break
+                params["cursor"] = page["next_cursor"]
+            oldest_first = [text for i in range(11) for text in (f"m{i}", "w0 ")]
+            assert seen == (oldest_first if order == "asc" else oldest_first[::-1])

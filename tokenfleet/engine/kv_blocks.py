@@ -87,8 +87,11 @@ class KVBlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = req.num_computed_tokens // self.block_size
-        req.block_hashes = prefix_block_hashes(req.token_ids[:num_full * self.block_size], self.block_size,
-                                               req.block_hashes[:num_full])
+        if num_full <= req.num_cached_blocks:  # no block filled since the last call (most decode steps)
+            return
+        if len(req.block_hashes) < num_full:  # keys are a function of the tokens, which only grow: keep known ones
+            req.block_hashes = prefix_block_hashes(req.token_ids[:num_full * self.block_size], self.block_size,
+                                                   req.block_hashes)
         for i in range(req.num_cached_blocks, num_full):
             block = self.blocks[req.block_table[i]]
             key = req.block_hashes[i]

@@ -1,0 +1,143 @@
+"""The model's forward pass replaced by its duration: a roofline of one engine step.
+
+A step computes some prefill tokens and some decode tokens. Its time is
+    overhead + per_sequence x sequences + combine(compute, memory) + all-reduce + swap copies
+where compute = 2 x params x tokens / (peak x MFU x TP) + attention FLOPs / (peak x attention MFU x TP) — what
+prefill is bound by — and memory = (weight bytes + KV bytes read) / (TP x HBM bandwidth x efficiency) — what
+decode is bound by. On a GPU the two overlap (combine = max); a calibration on a CPU may fit combine = sum.
+Everything reduces to a handful of coefficients (StepCoefficients), which a calibration can also fit directly.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from tokenfleet.sim.hardware import Hardware
+from tokenfleet.sim.models import ModelShape
+
+ACTIVATION_BYTES = 2  # all-reduce payloads are FP16/BF16 activations
+PCIE_BYTES_PER_S = 25e9  # host <-> device swap copies
+
+
+@dataclass
+class StepBatch:
+    """What one step computes, summed over its chunks."""
+
+    prefill_tokens: int = 0
+    attention_pairs: float = 0.0  # sum over computed tokens of the context each attends to (query-key pairs)
+    kv_tokens_read: int = 0  # cached tokens whose K and V the step reads
+    sequences: int = 0
+    decode_sequences: int = 0
+    swapped_blocks: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.prefill_tokens + self.decode_sequences
+
+    def add_chunk(self, start: int, n: int) -> None:
+        """A chunk computing n tokens at positions start..start+n-1 (n == 1 and start > 0: a decode)."""
+        self.sequences += 1
+        if n == 1:
+            self.decode_sequences += 1
+        else:
+            self.prefill_tokens += n
+        self.attention_pairs += n * start + n * (n + 1) / 2
+        self.kv_tokens_read += start + n
+
+
+@dataclass(frozen=True)
+class StepCoefficients:
+    overhead_s: float
+    per_sequence_s: float
+    per_token_s: float  # linear-layer compute per token
+    per_attention_pair_s: float
+    weights_s: float  # reading the weights once
+    per_kv_token_s: float  # reading one token's K and V
+    allreduce_per_step_s: float = 0.0  # latency of a step's all-reduces (0 without tensor parallelism)
+    allreduce_per_token_s: float = 0.0
+    swap_per_block_s: float = 0.0
+    combine: str = "max"  # "max": compute and memory overlap (GPU); "sum": they do not
+
+    def __post_init__(self) -> None:
+        if self.combine not in ("max", "sum"):
+            raise ValueError(f"combine must be max or sum, got {self.combine!r}")
+        negative = [k for k, v in asdict(self).items() if k != "combine" and v < 0]
+        if negative:
+            raise ValueError(f"cost coefficients must be >= 0: {', '.join(negative)}")
+
+
+class CostModel:
+    def __init__(self, coefficients: StepCoefficients) -> None:
+        self.c = coefficients
+
+    def step_time(self, batch: StepBatch) -> float:
+        c = self.c
+        compute = c.per_token_s * batch.tokens + c.per_attention_pair_s * batch.attention_pairs
+        memory = c.weights_s + c.per_kv_token_s * batch.kv_tokens_read
+        core = max(compute, memory) if c.combine == "max" else compute + memory
+        return (c.overhead_s + c.per_sequence_s * batch.sequences + core + c.allreduce_per_step_s
+                + c.allreduce_per_token_s * batch.tokens + c.swap_per_block_s * batch.swapped_blocks)
+
+    def decode_step_time(self, batch_size: int, context: int) -> float:
+        """One all-decode step: batch_size sequences, each with `context` tokens before the new one."""
+        batch = StepBatch()
+        for _ in range(batch_size):
+            batch.add_chunk(context, 1)
+        return self.step_time(batch)
+
+    def prefill_time(self, tokens: int) -> float:
+        batch = StepBatch()
+        batch.add_chunk(0, tokens)
+        return self.step_time(batch)
+
+
+def roofline(model: ModelShape, hw: Hardware, weight_dtype: str, kv_dtype: str, tp: int,
+             block_size: int = 16) -> StepCoefficients:
+    """The coefficients of `model` on `tp` GPUs of kind `hw`, from peak rates and efficiencies."""
+    flops = hw.flops(weight_dtype) * tp
+    bandwidth = hw.hbm_bytes_per_s * hw.bandwidth_efficiency * tp
+    attention_flops_per_pair = 4 * model.num_layers * model.num_heads * model.head_dim  # QK^T and PV
+    allreduces = 2 * model.num_layers  # after attention and after the MLP
+    ring = 2 * (tp - 1) / tp  # bytes a ring all-reduce moves per byte of payload
+    per_token_payload = model.hidden_size * ACTIVATION_BYTES * ring
+    kv_token = model.kv_bytes_per_token(kv_dtype)
+    return StepCoefficients(
+        overhead_s=hw.step_overhead_s,
+        per_sequence_s=hw.per_sequence_s,
+        per_token_s=2 * model.params / (flops * hw.mfu),
+        per_attention_pair_s=attention_flops_per_pair / (flops * hw.attention_mfu),
+        weights_s=model.weight_bytes(weight_dtype) / bandwidth,
+        per_kv_token_s=kv_token / bandwidth,
+        allreduce_per_step_s=allreduces * hw.allreduce_latency_s if tp > 1 else 0.0,
+        allreduce_per_token_s=(allreduces * per_token_payload / (hw.link_bytes_per_s * hw.link_efficiency)
+                               if tp > 1 else 0.0),
+        swap_per_block_s=block_size * kv_token / PCIE_BYTES_PER_S,
+        combine="max")
+
+
+def kv_cache_blocks(model: ModelShape, hw: Hardware, weight_dtype: str, kv_dtype: str, tp: int,
+                    block_size: int) -> int:
+    """Blocks of KV cache left on the replica's GPUs after the weights and activations; raises when the model
+    does not fit at this tensor-parallel degree."""
+    check_tp(model, hw, tp)
+    usable = tp * (hw.memory_bytes * hw.memory_utilization - hw.activation_reserve_bytes)
+    weights = model.weight_bytes(weight_dtype)
+    free = usable - weights
+    block_bytes = block_size * model.kv_bytes_per_token(kv_dtype)
+    one_sequence = -(-model.max_model_len // block_size)
+    blocks = int(free // block_bytes) if free > 0 else 0
+    if blocks < one_sequence:
+        raise ValueError(
+            f"{model.name} in {weight_dtype} ({weights / 1e9:.0f} GB of weights) does not fit on {tp} x "
+            f"{hw.name} ({usable / 1e9:.0f} GB usable): {max(blocks, 0)} KV blocks left, one "
+            f"{model.max_model_len}-token sequence needs {one_sequence}; raise tensor_parallel or use fp8")
+    return blocks
+
+
+def check_tp(model: ModelShape, hw: Hardware, tp: int) -> None:
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or tp & (tp - 1):
+        raise ValueError(f"tensor_parallel must be a power of two >= 1, got {tp!r}")
+    if tp > hw.max_tp:
+        raise ValueError(f"tensor_parallel {tp} is more than the {hw.max_tp} GPUs of one {hw.name} node")
+    if model.num_heads % tp or (model.num_kv_heads % tp and tp % model.num_kv_heads):
+        raise ValueError(f"{model.name}: {model.num_heads} attention heads / {model.num_kv_heads} KV heads do not "
+                         f"split over tensor_parallel {tp}")

@@ -11,7 +11,7 @@ import itertools
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from tokenfleet.dispatch.drr import TenantRoundRobin
 from tokenfleet.dispatch.records import DispatchSnapshot, Slot, Ticket, TierSnapshot
@@ -22,10 +22,20 @@ if TYPE_CHECKING:  # config imports torch; the dispatcher only needs each tier's
     from tokenfleet.config import TierConfig
 
 
+class Grant(Protocol):
+    """How a waiter gets its slot: an asyncio.Future, or anything with these three methods."""
+
+    def done(self) -> bool: ...
+
+    def set_result(self, result: Slot) -> None: ...
+
+    def result(self) -> Slot: ...
+
+
 @dataclass(eq=False)  # compared by identity: a queue finds and removes exactly this waiter
 class _Waiter:
     ticket: Ticket
-    future: asyncio.Future
+    future: Grant
     seq: int
     state: str = "queued"  # queued -> granted | gone
     reserved: bool = False
@@ -51,6 +61,7 @@ class _Tier:
     dispatched_tokens: int = 0
     wait_s_total: float = 0.0
     cancelled: int = 0
+    in_use: int = 0
 
 
 @dataclass
@@ -91,16 +102,26 @@ class Dispatcher:
     async def acquire(self, ticket: Ticket) -> Slot:
         """A slot for this ticket: at once when the pool has room for it, else after waiting its turn. Cancelling
         the waiting task takes the ticket out of its queue (and gives back a slot granted in the meantime)."""
-        self._check_ticket(ticket)
-        ticket.enqueued_at = self._clock()
-        waiter = _Waiter(ticket, asyncio.get_running_loop().create_future(), next(self._seq))
-        self._enqueue(waiter)
-        self._pump()
+        waiter = self.submit(ticket, asyncio.get_running_loop().create_future())
         try:
             return await waiter.future
         except asyncio.CancelledError:
             self._abandon(waiter)
             raise
+
+    def submit(self, ticket: Ticket, future: Grant) -> object:
+        """Queues a ticket without awaiting: `future.set_result(slot)` is called when it gets its slot, maybe
+        before this returns. For callers without an event loop (the fleet simulator); `withdraw` takes it back."""
+        self._check_ticket(ticket)
+        ticket.enqueued_at = self._clock()
+        waiter = _Waiter(ticket, future, next(self._seq))
+        self._enqueue(waiter)
+        self._pump()
+        return waiter
+
+    def withdraw(self, handle: object) -> None:
+        """The submitter gave up: out of its queue, or its slot given back if it was granted meanwhile."""
+        self._abandon(handle)
 
     def release(self, slot: Slot, served_tokens: int | None = None) -> None:
         """Free the slot for the next ticket; a second release of the same slot does nothing. `served_tokens`,
@@ -112,6 +133,7 @@ class Dispatcher:
             return
         del self._pool.held[slot.slot_id]
         self._pool.in_use -= 1
+        self._tiers[slot.ticket.tier].in_use -= 1
         slot.released = True
         if served_tokens is not None:
             self._reconcile(slot, served_tokens)
@@ -230,6 +252,7 @@ class Dispatcher:
         tier.dispatched += 1
         tier.dispatched_tokens += ticket.cost
         tier.wait_s_total += slot.waited_s
+        tier.in_use += 1
         self._pool.in_use += 1
         self._pool.held[slot.slot_id] = slot
         waiter.state = "granted"
@@ -247,4 +270,4 @@ class Dispatcher:
         return TierSnapshot(queued=tier.queue.queued, queued_tokens=tier.queue.queued_tokens,
                             oldest_wait_s=0.0 if oldest is None else max(0.0, now - oldest), paused=tier.paused,
                             dispatched=tier.dispatched, dispatched_tokens=tier.dispatched_tokens,
-                            wait_s_total=tier.wait_s_total, cancelled=tier.cancelled)
+                            wait_s_total=tier.wait_s_total, cancelled=tier.cancelled, in_use=tier.in_use)

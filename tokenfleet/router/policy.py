@@ -69,7 +69,7 @@ class Choice:
 
 class RoutingPolicy(Protocol):
     def choose(self, replicas: Sequence[ReplicaState], token_ids: Sequence[int],
-               affinity: str | None = None) -> Choice: ...
+               affinity: str | None = None, hashes: Sequence[bytes] | None = None) -> Choice: ...
 
     def forget(self, replica: str) -> None: ...
 
@@ -95,11 +95,15 @@ class CacheAwarePolicy:
         self.ring = HashRing(vnodes=vnodes)
 
     def choose(self, replicas: Sequence[ReplicaState], token_ids: Sequence[int],
-               affinity: str | None = None) -> Choice:
-        """Picks a replica and records the prompt's blocks for it in the prefix index."""
+               affinity: str | None = None, hashes: Sequence[bytes] | None = None) -> Choice:
+        """Picks a replica and records the prompt's blocks for it in the prefix index. `hashes`: the prompt's block
+        keys (`prompt_hashes`) when the caller has them already (the fleet simulator), else they are computed."""
         healthy = healthy_replicas(replicas)
         self._sync_ring(replicas)
-        hashes = prompt_hashes(token_ids, self.block_size, self.max_blocks)
+        if hashes is None:
+            hashes = prompt_hashes(token_ids, self.block_size, self.max_blocks)
+        else:
+            hashes = list(hashes[:self.max_blocks] if self.max_blocks is not None else hashes)
         names = {r.name for r in healthy}
         matched = {name: depth for name, depth in self.index.matches(hashes).items() if name in names}
         by_prefix = bool(matched) and not self._branches_off_shared_prefix(hashes, max(matched.values()))
@@ -180,7 +184,7 @@ class LeastLoadedPolicy:
         self._turn = 0
 
     def choose(self, replicas: Sequence[ReplicaState], token_ids: Sequence[int],
-               affinity: str | None = None) -> Choice:
+               affinity: str | None = None, hashes: Sequence[bytes] | None = None) -> Choice:
         healthy = healthy_replicas(replicas)
         loads = [r.load() for r in healthy]
         tied = [r for r, load in zip(healthy, loads) if load == min(loads)]
@@ -198,7 +202,7 @@ class RoundRobinPolicy:
         self._turn = 0
 
     def choose(self, replicas: Sequence[ReplicaState], token_ids: Sequence[int],
-               affinity: str | None = None) -> Choice:
+               affinity: str | None = None, hashes: Sequence[bytes] | None = None) -> Choice:
         healthy = healthy_replicas(replicas)
         self._turn += 1
         return Choice(healthy[(self._turn - 1) % len(healthy)].name, "round_robin", 0, 0)

@@ -79,7 +79,7 @@ def test_a_tenant_cannot_resume_or_cancel_another_tenants_request(platform):
 def test_over_a_limit_is_a_429_with_openai_headers_and_the_sdk_waits_it_out(platform):
     """Free users may run one request at a time: a second one is refused with retry-after, and the SDK, retrying
     by itself, gets through once the first has finished."""
-    with httpx.stream("POST", f"{platform.base}/v1/chat/completions", json=stream_body(300),
+    with httpx.stream("POST", f"{platform.base}/v1/chat/completions", json=stream_body(450),
                       headers=platform.auth("free"), timeout=30) as first:
         assert first.status_code == 200
         lines = first.iter_lines()
@@ -98,7 +98,10 @@ def test_over_a_limit_is_a_429_with_openai_headers_and_the_sdk_waits_it_out(plat
         result: list = []
         retrying = threading.Thread(target=lambda: result.append(ask(sdk(platform, "free", retries=5))))
         retrying.start()
-        time.sleep(0.3)
+        deadline = time.monotonic() + 5  # until the SDK's first try was refused (the first stream still runs)
+        while metric(platform.base, "tokenfleet_quota_refusals_total", tier="free",
+                     reason="concurrent_requests") < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
         list(lines)  # the first stream runs to its end
     retrying.join(timeout=60)
     assert result and result[0].usage.completion_tokens == 4, "the SDK's retry should have got through"

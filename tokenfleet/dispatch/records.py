@@ -42,6 +42,7 @@ class TierSnapshot:
     dispatched_tokens: int
     wait_s_total: float  # summed over dispatched requests
     cancelled: int  # left the queue without a slot
+    in_use: int = 0  # slots its requests hold now
 
 
 @dataclass

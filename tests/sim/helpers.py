@@ -29,6 +29,11 @@ class Collect:
     def inter_token(self, tier, gap, count):
         self.gaps.append((tier, round(gap, 12), count))
 
+    def inter_tokens(self, gap, per_tier):
+        for tier, count in per_tier.items():
+            if count:
+                self.inter_token(tier, gap, count)
+
 
 def make_requests(seed: int, n: int, rate: float, shared: int = 256, priorities=(0, 1, 2)) -> list[SimRequest]:
     rng = random.Random(seed)

@@ -56,6 +56,8 @@ class PrefixIndex:
                 entry = self._entries[key] = IndexEntry()
             else:
                 self._entries.move_to_end(key)
+                if entry.holders and entry.holders[0] == replica:  # already the newest (a next turn)
+                    continue
             if replica in entry.holders:
                 entry.holders.remove(replica)
             entry.holders.insert(0, replica)

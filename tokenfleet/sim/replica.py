@@ -16,8 +16,7 @@ which free block each request receives within one step (tests/sim check results 
 """
 from __future__ import annotations
 
-import heapq
-import itertools
+import operator
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -29,7 +28,6 @@ from tokenfleet.sim.cost_model import CostModel, StepBatch
 from tokenfleet.sim.events import EventQueue
 from tokenfleet.sim.records import SimRequest
 
-TAKE, REGISTER, FINISH = 0, 1, 2  # block events of a parked request, in their order within a step
 
 
 @dataclass
@@ -56,6 +54,9 @@ class ReplicaSink(Protocol):
 
     def inter_token(self, tier: str, gap_s: float, count: int) -> None: ...
 
+    def inter_tokens(self, gap_s: float, per_tier: dict[str, int]) -> None:
+        """One step's gap for every parked decode: count per tier."""
+
 
 @dataclass(eq=False)
 class _Parked:
@@ -64,10 +65,14 @@ class _Parked:
     base_tokens: int  # the request's tokens after step base_step (its last computed token is base_tokens - 2)
     base_step: int
     last_step: int  # the step that samples its last token
+    rank: tuple[int, float] = (0, 0.0)  # the scheduler's order: (priority class, arrival)
 
     def position(self, step: int) -> int:
         """Index of the token the request computes in `step`."""
         return self.base_tokens + step - self.base_step - 2
+
+
+_rank = operator.attrgetter("rank")
 
 
 class SimReplica:
@@ -88,8 +93,11 @@ class SimReplica:
         self.parked_by_class: dict[int, dict[Request, _Parked]] = {}
         self.parked_per_tier: dict[str, int] = {}
         self._position_sum_base = 0  # sum over parked of (base_tokens - base_step - 2): positions = this + n*step
-        self._block_events: list[tuple] = []
-        self._seq = itertools.count()
+        # a parked request takes a block every block_size steps, and registers one the step before: buckets by
+        # step modulo block_size; and the step each will sample its last token
+        self._takes: list[dict[Request, _Parked]] = [{} for _ in range(spec.block_size)]
+        self._registers: list[dict[Request, _Parked]] = [{} for _ in range(spec.block_size)]
+        self._finishes: dict[int, list[_Parked]] = {}
         self._configs: dict[int, SchedulerConfig] = {}
         self._aborts: list[SimRequest] = []
         self._step: tuple[int, SchedulerOutput, list, float] | None = None
@@ -138,13 +146,14 @@ class SimReplica:
 
     def _begin_step(self) -> None:
         s = self.step_no + 1
-        takes = self._pop_block_events(s, TAKE)
-        if self.parked and self._needs_full_step(len(takes)):
-            self._unpark_all()
-        elif self.parked:
-            self._unpark_classes_at_risk(len(takes))
-        for p in takes:
-            if self.parked.get(p.req) is p:
+        if self.parked:
+            takes = self._takes[s % self.spec.block_size]
+            if self._needs_full_step(len(takes)):
+                self._unpark_all()
+            else:
+                self._unpark_classes_at_risk(len(takes))
+            # which free block each gets does not matter (results are the same up to block relabelling)
+            for p in list(takes.values()):
                 self._take_block(p, s)
         out = self._schedule()
         duration = self.cost.step_time(self._batch(out, s))
@@ -181,16 +190,16 @@ class SimReplica:
     def _end_step(self) -> None:
         s, out, sampling, duration = self._step
         now = self.events.clock.now
-        for p in self._pop_block_events(s, REGISTER):
-            if self.parked.get(p.req) is p:
+        registers = self._registers[s % self.spec.block_size]
+        if registers:  # in the scheduler's order: the first to register a key wins, should two blocks share it
+            for p in sorted(registers.values(), key=_rank):
                 self._register_blocks(p, s)
         self.scheduler.update(out)
-        for tier, count in self.parked_per_tier.items():
-            if count:
-                self.sink.inter_token(tier, duration, count)
+        if self.parked:
+            self.sink.inter_tokens(duration, self.parked_per_tier)
         for chunk in sampling:
             self._sample(chunk.req, now)
-        for p in self._pop_block_events(s, FINISH):
+        for p in sorted(self._finishes.pop(s, ()), key=_rank):
             if self.parked.get(p.req) is p:
                 self._finish_parked(p, s, now)
         self.step_no, self.busy, self._step = s, False, None
@@ -228,6 +237,8 @@ class SimReplica:
     def _needs_full_step(self, takes: int) -> bool:
         """Whether the scheduler's choices this step could involve parked requests (budget or blocks short)."""
         sched, budget = self.scheduler, self.base.max_num_batched_tokens
+        if not sched.running:
+            return len(self.parked) > budget or takes > self.blocks.num_free_blocks
         decodes = sum(1 for r in sched.running if r.num_uncomputed_tokens == 1)
         if len(self.parked) + decodes > budget:
             return True
@@ -273,47 +284,25 @@ class SimReplica:
     def _park(self, req: Request) -> None:
         s, bs, sreq = self.step_no, self.blocks.block_size, req.sim
         tokens = req.num_tokens
-        p = _Parked(req, sreq, tokens, s, s + sreq.max_tokens + req.num_prompt_tokens - tokens)
+        p = _Parked(req, sreq, tokens, s, s + sreq.max_tokens + req.num_prompt_tokens - tokens, req.rank())
+        # While parked, nothing reads its token count (it is in no scheduler list): hold the whole answer now, so
+        # the block manager finds any block's tokens; _unpark cuts it back to the tokens generated by then.
+        req.token_ids.extend(sreq.output[tokens - req.num_prompt_tokens:sreq.max_tokens])
         self.parked[req] = p
         self.parked_by_class.setdefault(req.priority, {})[req] = p
         self.parked_per_tier[sreq.tier] = self.parked_per_tier.get(sreq.tier, 0) + 1
         self._position_sum_base += tokens - s - 2
-        self._push(p, s + 1 + (-(tokens - 1)) % bs, TAKE)
-        self._push(p, s + 1 + (-tokens) % bs, REGISTER)
-        self._push(p, p.last_step, FINISH)
-
-    def _push(self, p: _Parked, step: int, kind: int) -> None:
-        if step <= p.last_step:
-            req = p.req
-            heapq.heappush(self._block_events, (step, kind, req.priority, req.arrival_time, next(self._seq), p))
-
-    def _pop_block_events(self, step: int, kind: int) -> list[_Parked]:
-        heap, found = self._block_events, []
-        while heap and heap[0][0] <= step and (heap[0][0] < step or heap[0][1] <= kind):
-            entry = heapq.heappop(heap)
-            if entry[0] == step and entry[1] == kind:
-                found.append(entry[5])
-        return found
-
-    def _materialize(self, p: _Parked, tokens: int, computed: int) -> None:
-        req = p.req
-        have = len(req.token_ids)
-        if have < tokens:
-            start = have - req.num_prompt_tokens
-            req.token_ids.extend(p.sreq.output[start:start + tokens - have])
-        req.num_computed_tokens = computed
+        self._takes[(s + 2 - tokens) % bs][req] = p  # steps that compute a token at index k x block_size
+        self._registers[(s + 1 - tokens) % bs][req] = p  # ... and at index k x block_size - 1
+        self._finishes.setdefault(p.last_step, []).append(p)
 
     def _take_block(self, p: _Parked, step: int) -> None:
-        pos = p.position(step)
-        self._materialize(p, pos + 1, pos)
+        p.req.num_computed_tokens = p.base_tokens + step - p.base_step - 2
         self.blocks.grow(p.req, 1)
-        self._push(p, step + self.blocks.block_size, TAKE)
 
     def _register_blocks(self, p: _Parked, step: int) -> None:
-        pos = p.position(step)
-        self._materialize(p, pos + 1, pos + 1)
+        p.req.num_computed_tokens = p.base_tokens + step - p.base_step - 1
         self.blocks.cache_full_blocks(p.req)
-        self._push(p, step + self.blocks.block_size, REGISTER)
 
     def _finish_parked(self, p: _Parked, step: int, now: float) -> None:
         self._unpark(p, step)
@@ -325,10 +314,14 @@ class SimReplica:
         scheduler's running list."""
         step = self.step_no if step is None else step
         pos = p.position(step)
-        self._materialize(p, pos + 2, pos + 1)
         req, sreq = p.req, p.sreq
+        del req.token_ids[pos + 2:]
+        req.num_computed_tokens = pos + 1
         del self.parked[req]
         del self.parked_by_class[req.priority][req]
+        bs = self.spec.block_size
+        del self._takes[(p.base_step + 2 - p.base_tokens) % bs][req]
+        del self._registers[(p.base_step + 1 - p.base_tokens) % bs][req]
         self.parked_per_tier[sreq.tier] -= 1
         self._position_sum_base -= p.base_tokens - p.base_step - 2
         sreq.last_token = self.events.clock.now

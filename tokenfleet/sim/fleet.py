@@ -1,0 +1,181 @@
+"""The fleet in simulated time: conversations arrive at a gateway (ladder, quota, fair queue), the router's real
+policy picks a replica, replicas step their real schedulers, and answers bring the next turn after a pause."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenfleet.config import TierConfig
+from tokenfleet.dispatch.overload import OverloadLadder, OverloadSettings
+from tokenfleet.dispatch.queue import Dispatcher
+from tokenfleet.quota.memory import MemoryQuota
+from tokenfleet.router.policy import CacheAwarePolicy, LeastLoadedPolicy, RoundRobinPolicy, RoutingPolicy
+from tokenfleet.sim.cost_model import CostModel
+from tokenfleet.sim.events import EventQueue, SimClock
+from tokenfleet.sim.gateway import SimGateway
+from tokenfleet.sim.metrics import Metrics, Slo
+from tokenfleet.sim.records import SimRequest
+from tokenfleet.sim.replica import ReplicaSpec, SimReplica
+from tokenfleet.sim.workload import Conversation, Workload, WorkloadSpec
+
+POLICIES = ("cache_aware", "least_loaded", "round_robin")
+
+
+@dataclass
+class FleetSetup:
+    replicas: int
+    spec: ReplicaSpec
+    cost: CostModel
+    workload: WorkloadSpec
+    tiers: dict[str, TierConfig]
+    slo: Slo
+    duration_s: float
+    seed: int = 0
+    warmup_s: float = 0.0
+    drain_s: float = 120.0  # after the last arrival, in-flight work gets this long to finish
+    policy: str = "cache_aware"
+    load_bound: float = 1.25
+    affinity: bool = True  # route by conversation id (x-conversation-id), as the chat product does
+    overload: OverloadSettings = field(default_factory=OverloadSettings)
+    slots_per_replica: int = 256
+    quantum_tokens: int = 2048
+    load_interval_s: float = 1.0
+    quota: bool = True
+    fast: bool = True
+    gpus_per_replica: int = 1
+    describe: dict = field(default_factory=dict)  # what the report prints about the setup
+
+
+def make_policy(name: str, block_size: int, load_bound: float) -> RoutingPolicy:
+    if name == "cache_aware":
+        return CacheAwarePolicy(block_size=block_size, load_bound=load_bound)
+    if name == "least_loaded":
+        return LeastLoadedPolicy()
+    if name == "round_robin":
+        return RoundRobinPolicy()
+    raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(POLICIES)}")
+
+
+class Fleet:
+    def __init__(self, setup: FleetSetup) -> None:
+        self.setup = s = setup
+        self.clock = SimClock()
+        self.events = EventQueue(self.clock)
+        self.metrics = Metrics(s.slo, since=s.warmup_s)
+        self.replicas = [SimReplica(f"replica-{i}", s.spec, s.cost, self.events, self, s.fast)
+                         for i in range(s.replicas)]
+        self.by_name = {r.name: r for r in self.replicas}
+        self.states = [r.state for r in self.replicas]
+        self.policy = make_policy(s.policy, s.spec.block_size, s.load_bound)
+        self.gateway = SimGateway(s.tiers, self.clock, OverloadLadder(s.overload, self.clock),
+                                  Dispatcher(s.tiers, s.slots_per_replica * s.replicas, s.quantum_tokens,
+                                             clock=self.clock),
+                                  MemoryQuota(clock=self.clock) if s.quota else None)
+        self.workload = Workload(s.workload, s.seed, s.spec.block_size)
+        self.prefill_tokens_per_s = 2048 / s.cost.prefill_time(2048)
+        self.conversations: dict[int, Conversation] = {}
+        self.capacity_tokens = (s.spec.num_blocks - max(1, int(s.spec.watermark * s.spec.num_blocks))) \
+            * s.spec.block_size
+        self.in_flight = 0
+        self.requests_seen = 0  # every turn that arrived, warm-up included
+        self.max_level = 0
+        self.level_seconds = [0.0] * 5
+
+    @property
+    def end_s(self) -> float:
+        return self.setup.duration_s + self.setup.drain_s
+
+    def run(self) -> "Fleet":
+        self.events.at(self.workload.next_start(), self._conversation_starts)
+        self.events.at(0.0, self._load_tick)
+        self.events.run(until=self.end_s)
+        return self
+
+    # --- arrivals -------------------------------------------------------------------------------------------
+
+    def _conversation_starts(self) -> None:
+        conv = self.workload.conversation()
+        self.conversations[conv.cid] = conv
+        self._turn(conv)
+        start = self.workload.next_start()
+        if start < self.setup.duration_s:
+            self.events.at(start, self._conversation_starts)
+
+    def _turn(self, conv: Conversation) -> None:
+        sreq = self.workload.next_turn(conv, self.clock.now, self.setup.tiers[conv.tier].priority)
+        if sreq is None:
+            del self.conversations[conv.cid]
+            return
+        self.requests_seen += 1
+        self.metrics.arrived(sreq)
+        if len(sreq.prompt) + sreq.max_tokens > self.capacity_tokens:
+            self._refused(sreq, conv, "rejected")
+            return
+        why = self.gateway.admit(sreq, self._dispatch)
+        if why is not None:
+            self._refused(sreq, conv, why)
+        elif sreq.cancel_after is not None:
+            self.events.after(sreq.cancel_after, self._cancel, sreq)
+
+    def _refused(self, sreq: SimRequest, conv: Conversation, why: str) -> None:
+        self.metrics.refused(sreq, why)
+        del self.conversations[conv.cid]
+
+    def _dispatch(self, sreq: SimRequest) -> None:
+        """The request has its slot: the router picks the replica, which queues it for its next step."""
+        hashes = sreq.hashes[:len(sreq.prompt) // self.setup.spec.block_size]
+        affinity = f"conv-{sreq.conversation}" if self.setup.affinity else None
+        choice = self.policy.choose(self.states, sreq.prompt, affinity, hashes)
+        replica = self.by_name[choice.replica]
+        replica.state.in_flight += 1
+        self.in_flight += 1
+        replica.add(sreq)
+
+    def _cancel(self, sreq: SimRequest) -> None:
+        if sreq.finished is not None or sreq.status != "pending":
+            return
+        if self.gateway.withdraw(sreq):  # still in the fair queue: it never reached a replica
+            sreq.status, sreq.finished = "cancelled", self.clock.now
+            self.gateway.leave(sreq)
+            self.metrics.ended(sreq)
+            self.conversations.pop(sreq.conversation, None)
+        elif sreq.req is not None:
+            self.by_name[sreq.replica].abort(sreq)
+
+    # --- what replicas report -------------------------------------------------------------------------------
+
+    def first_token(self, sreq: SimRequest, now: float) -> None:
+        pass
+
+    def finished(self, sreq: SimRequest, now: float, reason: str) -> None:
+        sreq.finished = now
+        sreq.status = "ok" if reason == "length" else "cancelled"
+        self.by_name[sreq.replica].state.in_flight -= 1
+        self.in_flight -= 1
+        self.gateway.leave(sreq)
+        self.metrics.ended(sreq)
+        conv = self.conversations.get(sreq.conversation)
+        if conv is None:
+            return
+        if sreq.status == "ok" and now < self.setup.duration_s:
+            self.workload.answered(conv, sreq)
+            self.events.after(self.workload.think_time(conv), self._turn, conv)
+        else:
+            del self.conversations[conv.cid]
+
+    def inter_token(self, tier: str, gap_s: float, count: int) -> None:
+        if self.clock.now >= self.setup.warmup_s:
+            self.metrics.inter_token(tier, gap_s, count)
+
+    def inter_tokens(self, gap_s: float, per_tier: dict[str, int]) -> None:
+        if self.clock.now >= self.setup.warmup_s:
+            self.metrics.inter_tokens(gap_s, per_tier)
+
+    def _load_tick(self) -> None:
+        queued = sum(r.report().queued_tokens for r in self.replicas)
+        interval = self.setup.load_interval_s
+        level = self.gateway.update_load(len(self.replicas), self.setup.slots_per_replica, queued,
+                                         self.prefill_tokens_per_s)
+        self.max_level = max(self.max_level, level)
+        self.level_seconds[level] += interval
+        if self.clock.now + interval < self.end_s:
+            self.events.after(interval, self._load_tick)

@@ -1,0 +1,114 @@
+"""The gateway's admission in simulated time, with the real pieces: the overload ladder (shed before any GPU time),
+the token quota (MemoryQuota on the simulated clock), and the dispatcher's fair queue (Dispatcher.submit).
+The order and the arithmetic follow tokenfleet/gateway/admission.py."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from tokenfleet.config import TierConfig
+from tokenfleet.dispatch.overload import LoadSignal, OverloadLadder
+from tokenfleet.dispatch.queue import Dispatcher
+from tokenfleet.dispatch.records import Slot, Ticket
+from tokenfleet.quota.base import Scope
+from tokenfleet.quota.memory import MemoryQuota
+from tokenfleet.sim.events import SimClock
+from tokenfleet.sim.records import SimRequest
+
+
+def run_now(coroutine):
+    """The result of a coroutine that never suspends (MemoryQuota's methods never await anything)."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value
+    coroutine.close()
+    raise RuntimeError("the coroutine suspended; only non-blocking backends can run in the simulator")
+
+
+@dataclass(eq=False)
+class _Grant:
+    """The dispatcher's future, resolved synchronously: the callback runs when the slot is granted."""
+
+    callback: Callable[[Slot], None]
+    slot: Slot | None = None
+    cancelled: bool = False
+
+    def done(self) -> bool:
+        return self.slot is not None or self.cancelled
+
+    def set_result(self, slot: Slot) -> None:
+        self.slot = slot
+        self.callback(slot)
+
+    def result(self) -> Slot:
+        return self.slot
+
+
+class SimGateway:
+    def __init__(self, tiers: dict[str, TierConfig], clock: SimClock, ladder: OverloadLadder,
+                 dispatcher: Dispatcher, quota: MemoryQuota | None) -> None:
+        self.tiers, self.clock, self.ladder, self.dispatcher, self.quota = tiers, clock, ladder, dispatcher, quota
+        self._scopes: dict[tuple[str, str, str], tuple[Scope, Scope]] = {}
+        self._waiting: dict[SimRequest, object] = {}
+
+    def admit(self, sreq: SimRequest, on_slot: Callable[[SimRequest], None]) -> str | None:
+        """Ladder, quota, fair queue. Returns why it was refused ("shed", "quota"), or None: `on_slot(sreq)` runs
+        when it has its slot (maybe before this returns)."""
+        plan = self.ladder.plan(sreq.tier)
+        if plan.action == "shed":
+            return "shed"
+        if plan.max_tokens_cap is not None:
+            sreq.max_tokens = min(sreq.max_tokens, plan.max_tokens_cap)
+        tokens = len(sreq.prompt) + sreq.max_tokens
+        if self.quota is not None:
+            decision = run_now(self.quota.reserve(sreq.rid, self._scopes_of(sreq), tokens, tier=sreq.tier))
+            if not decision.allowed:
+                return "quota"
+            sreq.reservation = decision.reservation
+        grant = _Grant(lambda slot: self._granted(sreq, slot, on_slot))
+        handle = self.dispatcher.submit(Ticket(sreq.rid, sreq.tenant, sreq.tier, tokens), grant)
+        if grant.slot is None:
+            self._waiting[sreq] = handle
+        return None
+
+    def _granted(self, sreq: SimRequest, slot: Slot, on_slot: Callable[[SimRequest], None]) -> None:
+        self._waiting.pop(sreq, None)
+        sreq.slot, sreq.admitted = slot, self.clock.now
+        on_slot(sreq)
+
+    def withdraw(self, sreq: SimRequest) -> bool:
+        """The client left while queued: out of the fair queue. False if it was not waiting there."""
+        handle = self._waiting.pop(sreq, None)
+        if handle is None:
+            return False
+        handle.future.cancelled = True
+        self.dispatcher.withdraw(handle)
+        return True
+
+    def leave(self, sreq: SimRequest) -> None:
+        """The request ended however it ended: free the slot, reconcile the reservation with what it used."""
+        used = len(sreq.prompt) + sreq.tokens_out if sreq.req is not None else 0
+        if sreq.slot is not None:
+            self.dispatcher.release(sreq.slot, used)
+        if self.quota is not None and sreq.reservation is not None:
+            run_now(self.quota.reconcile(sreq.reservation, used))
+
+    def update_load(self, replicas: int, slots_per_replica: int, replica_queued_tokens: int,
+                    prefill_tokens_per_s: float) -> int:
+        """What watch_load does every interval: size the pool, project TTFT, move the ladder, pause batch."""
+        self.dispatcher.set_slots(slots_per_replica * replicas)
+        snap = self.dispatcher.snapshot()
+        level = self.ladder.update(LoadSignal(snap.queued_tokens, replica_queued_tokens, snap.in_use, snap.slots,
+                                              prefill_tokens_per_s * replicas))
+        self.ladder.apply(self.dispatcher)
+        return level
+
+    def _scopes_of(self, sreq: SimRequest) -> tuple[Scope, Scope]:
+        key = (sreq.tier, sreq.tenant, sreq.user)
+        scopes = self._scopes.get(key)
+        if scopes is None:
+            tier = self.tiers[sreq.tier]
+            scopes = self._scopes[key] = (Scope(f"org:{sreq.tenant}", sreq.tenant, tier.org_limits),
+                                          Scope(f"user:{sreq.tenant}/{sreq.user}", sreq.tenant, tier.user_limits))
+        return scopes

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from tokenfleet.autoscale.settings import AutoscaleSettings
 from tokenfleet.conversations.settings import ConversationSettings
 from tokenfleet.dispatch.overload import OverloadSettings
 from tokenfleet.quota.limits import Limits
@@ -259,6 +260,7 @@ class FleetConfig:
     conversations: ConversationSettings = field(default_factory=ConversationSettings)
     metering: MeteringSettings = field(default_factory=MeteringSettings)
     billing: BillingSettings = field(default_factory=BillingSettings)
+    autoscale: AutoscaleSettings = field(default_factory=AutoscaleSettings)
 
     def served_models(self) -> list[ModelSpec]:
         """`models`, or the one model of the short form (model_name, model_path, replicas)."""
@@ -277,7 +279,8 @@ class FleetConfig:
             raise ValueError(f"{path}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         sections = {name: section(kind, raw.pop(name, None), f"{path}: {name}") for name, kind in (
             ("streams", StreamSettings), ("quota", QuotaSettings), ("dispatch", DispatchSettings),
-            ("overload", OverloadSettings), ("metering", MeteringSettings), ("billing", BillingSettings))}
+            ("overload", OverloadSettings), ("metering", MeteringSettings), ("billing", BillingSettings),
+            ("autoscale", AutoscaleSettings))}
         tiers = tiers_from_dict(raw.pop("tiers", None))
         sections["conversations"] = section(ConversationSettings, raw.pop("conversations", None),
                                             f"{path}: conversations")

@@ -142,11 +142,11 @@ class OverloadLadder:
             return Plan("queue", None, None, None, level, queue_delay_s=self.projected_ttft_s)
         return Plan("admit", None, None, None, level)
 
-    def apply(self, dispatcher: Pausable) -> None:
-        """Pause the dispatcher's batch tiers from level 1 up, resume them below."""
+    def apply(self, dispatcher: Pausable, allow_batch: bool = True) -> None:
+        """Pause the dispatcher's batch tiers from level 1 up (or when `allow_batch` is false), resume them below."""
         for tier in self.settings.batch_tiers:
             if tier in dispatcher.tier_names:
-                dispatcher.pause(tier, self.level >= 1)
+                dispatcher.pause(tier, self.level >= 1 or not allow_batch)
 
     def _move(self, level: int, ttft: float) -> None:
         up = level > self.level

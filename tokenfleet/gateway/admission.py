@@ -49,6 +49,7 @@ class Admission:
         """One dispatcher (fair queue by tier, then tenant) per model; one quota and one ladder per gateway."""
         self.quota, self.dispatchers, self.ladder = quota, dispatchers, ladder
         self.outputs = OutputEstimate()
+        self.batch_allowed: dict[str, bool] = {}  # model -> may its batch tiers run (the autoscaler's trough)
         self.shed: Counter[tuple[str]] = Counter()  # by (tier,)
         self.refusals: Counter[tuple[str, str]] = Counter()  # by (tier, reason)
 
@@ -105,7 +106,7 @@ async def watch_load(admission: Admission, router, interval_s: float, slots_per_
                      prefill_tokens_per_s: float) -> None:
     """Every interval: size each model's dispatcher to its replicas taking work, project the time to first token
     from the queues and the replicas' load reports (the router keeps those fresh), move the overload ladder, and
-    pause or resume the batch tier accordingly."""
+    pause or resume the batch tier accordingly (paused too where the autoscaler sees no spare capacity)."""
     while True:
         replicas = 0
         for model, dispatcher in admission.dispatchers.items():
@@ -116,8 +117,8 @@ async def watch_load(admission: Admission, router, interval_s: float, slots_per_
         admission.ladder.update(LoadSignal(sum(s.queued_tokens for s in snapshots), router.queued_tokens(),
                                            sum(s.in_use for s in snapshots), sum(s.slots for s in snapshots),
                                            prefill_tokens_per_s * replicas))
-        for dispatcher in admission.dispatchers.values():
-            admission.ladder.apply(dispatcher)
+        for model, dispatcher in admission.dispatchers.items():
+            admission.ladder.apply(dispatcher, admission.batch_allowed.get(model, True))
         await asyncio.sleep(interval_s)
 
 

@@ -12,6 +12,7 @@ import httpx
 from fastapi import FastAPI
 
 from tokenfleet.api.http import configure_logging, run_http
+from tokenfleet.autoscale.service import add_autoscaler
 from tokenfleet.config import EngineConfig, FleetConfig, TierConfig, engine_config_from_args
 from tokenfleet.engine.async_engine import AsyncEngine
 from tokenfleet.dispatch.overload import OverloadLadder
@@ -207,6 +208,7 @@ def serve_gateway(args: argparse.Namespace) -> None:
         return HttpUpstream(url, name, kind, read_timeout_s=timeout)
 
     gateway, store = build_gateway(config, load_models(config), upstream)
+    add_autoscaler(gateway, config)  # when autoscale.enabled
     for name, pools in gateway.router.models.items():
         log.info("serving %s over %d configured replica(s)", name, len(pools.replicas))
     log.info("gateway on http://%s:%d", config.host, config.port)

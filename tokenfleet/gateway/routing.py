@@ -13,10 +13,14 @@ from typing import AsyncIterator
 import httpx
 
 from tokenfleet.api.errors import APIError
+from tokenfleet.gateway.stream_client import UpstreamError, UpstreamTimeout
 from tokenfleet.router.policy import NoReplicaAvailable
 from tokenfleet.router.pool import ModelPools, Replica, Route
 
 log = logging.getLogger(__name__)
+# what an upstream's failure was caused by: httpx's exceptions, or the stream client's (http:// replicas)
+TIMEOUTS = (httpx.TimeoutException, UpstreamTimeout)
+TRANSPORT_ERRORS = (httpx.TransportError, UpstreamError)
 # what a continuation keeps of the original body: sampling, not the prompt or the output shape
 CONTINUED_FIELDS = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                     "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "priority")
@@ -97,11 +101,11 @@ async def _attempt(request: RoutedRequest, replica: Replica, attempt: int) -> As
 
 def _failure_kind(error: APIError, streaming: bool) -> str:
     cause = error.__cause__
-    if isinstance(cause, httpx.TimeoutException):
+    if isinstance(cause, TIMEOUTS):
         return "timeout"
     if streaming:
         return "stream_broken"
-    return "connect" if isinstance(cause, httpx.TransportError) else "5xx"
+    return "connect" if isinstance(cause, TRANSPORT_ERRORS) else "5xx"
 
 
 def _follow(request: RoutedRequest, chunk: dict) -> None:

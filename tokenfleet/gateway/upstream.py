@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import aclosing
 from typing import AsyncIterator, Protocol
 
 import httpx
 
 from tokenfleet.api.errors import APIError
+from tokenfleet.gateway.stream_client import StreamClient, UpstreamError
 from tokenfleet.replica.metrics import load_report
 from tokenfleet.replica.server import ReplicaService
 from tokenfleet.router.load import LoadReport, fetch_load
@@ -46,32 +48,63 @@ class HttpUpstream:
                  connect_timeout_s: float = 5.0, read_timeout_s: float = 30.0) -> None:
         """kind: "tokenfleet" (load from GET /load) or "openai" (any OpenAI-compatible server; load from vLLM's
         /metrics). read_timeout_s bounds the wait for each next piece of a stream: a hung replica fails the
-        request (which the router then continues elsewhere) instead of hanging it."""
+        request (which the router then continues elsewhere) instead of hanging it. Streams to an http:// replica
+        go through the gateway's own StreamClient (the hot path); everything else through httpx."""
         self.base_url, self.name, self.kind = base_url.rstrip("/"), name or base_url, kind
         timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
         # one connection per in-flight stream: no pool cap, or streams beyond it would queue for a connection
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         self.client = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, limits=limits)
+        self.streams = (StreamClient(self.base_url, connect_timeout_s, read_timeout_s)
+                        if self.base_url.startswith("http://") else None)
 
     async def stream(self, kind: str, body: dict) -> AsyncIterator[dict]:
         # usage on every chunk, so a cancelled request is metered by what it generated
         payload = {**body, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        chunks = self._stream(kind, payload) if self.streams is not None else self._stream_httpx(kind, payload)
         try:
-            async with self.client.stream("POST", PATHS[kind], json=payload) as response:
-                if response.status_code != 200:
-                    raise _replica_error(response.status_code, await response.aread())
-                async for line in response.aiter_lines():
-                    if line.startswith("data: ") and line != "data: [DONE]":
-                        yield json.loads(line[6:])
-        except httpx.HTTPError as e:
+            async with aclosing(chunks):  # a reader that stops early closes the replica's connection now
+                async for chunk in chunks:
+                    yield chunk
+        except (httpx.HTTPError, UpstreamError) as e:
             raise APIError(502, f"replica {self.name} failed: {e.__class__.__name__}", "server_error",
                            code="upstream_error") from e
+
+    async def _stream(self, kind: str, payload: dict) -> AsyncIterator[dict]:
+        async with self.streams.post(PATHS[kind], json.dumps(payload).encode()) as response:
+            if response.status != 200:
+                raise _replica_error(response.status, await response.read())
+            async for data in sse_data(response.pieces()):
+                if data != b"[DONE]":
+                    yield json.loads(data)
+
+    async def _stream_httpx(self, kind: str, payload: dict) -> AsyncIterator[dict]:
+        async with self.client.stream("POST", PATHS[kind], json=payload) as response:
+            if response.status_code != 200:
+                raise _replica_error(response.status_code, await response.aread())
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    yield json.loads(line[6:])
 
     async def load(self) -> LoadReport:
         return await fetch_load(self.client, self.base_url, self.kind, timeout_s=2.0)
 
     async def aclose(self) -> None:
         await self.client.aclose()
+        if self.streams is not None:
+            await self.streams.aclose()
+
+
+async def sse_data(pieces: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The payloads of the `data:` lines of an event stream, as its pieces arrive (a line may span pieces)."""
+    rest = b""
+    async for piece in pieces:
+        lines = (rest + piece).split(b"\n") if rest else piece.split(b"\n")
+        rest = lines.pop()
+        for line in lines:
+            if line.startswith(b"data:"):
+                data = line[5:].rstrip(b"\r")
+                yield data[1:] if data.startswith(b" ") else data
 
 
 def _replica_error(status: int, body: bytes) -> APIError:

@@ -17,7 +17,6 @@ from starlette.requests import Request
 
 from tokenfleet.api.errors import APIError, bad_request, not_found
 from tokenfleet.api.protocol import ChatCompletionRequest, CompletionRequest, parse, prompt_token_ids
-from tokenfleet.api.sse import sse_event
 from tokenfleet.config import StreamSettings
 from tokenfleet.dispatch.overload import Plan
 from tokenfleet.gateway.admission import Admission, Admitted
@@ -30,7 +29,7 @@ from tokenfleet.gateway.resume import ResumeBuffer
 from tokenfleet.gateway.routing import RoutedRequest, routed_chunks
 from tokenfleet.gateway.safety import SafetyHook, allow_all
 from tokenfleet.gateway.usage import usage_event
-from tokenfleet.gateway.sse_response import SlowClient, SSEResponse
+from tokenfleet.gateway.sse_response import SSEResponse
 from tokenfleet.model.tokenizer import Tokenizer
 from tokenfleet.metering.recorder import UsageRecorder
 from tokenfleet.router.catalog import RequestFacts, Resolution
@@ -231,22 +230,19 @@ class Gateway:
 
     def sse(self, request_id: str, after: int, headers: dict[str, str] | None = None) -> SSEResponse:
         relay = self.relays.get(request_id)
+        behind = None
         if relay is not None:
             relay.reader_joined()
+            limit = self.settings.max_lag_events
+            behind = lambda event_id: relay.last_id - event_id > limit  # noqa: E731
 
         def on_end(how: str) -> None:
             self.metrics.stream_endings.labels(how).inc()
             if relay is not None:
                 relay.reader_left(disconnected=how == "disconnect")
 
-        return SSEResponse(self._events(request_id, after, relay), {**(headers or {}), "x-request-id": request_id},
-                           self.settings.ping_interval_s, self.settings.send_timeout_s, on_end)
-
-    async def _events(self, request_id: str, after: int, relay: Relay | None):
-        async for event in self.buffer.read(request_id, after):
-            if relay is not None and relay.last_id - event.id > self.settings.max_lag_events:
-                raise SlowClient(request_id)
-            yield sse_event(event.data, event.id, event.event)
+        return SSEResponse(self.buffer.follow(request_id, after), {**(headers or {}), "x-request-id": request_id},
+                           self.settings.ping_interval_s, self.settings.send_timeout_s, on_end, behind)
 
     async def complete(self, relay: Relay, kind: str) -> dict:
         """A non-streamed request: wait for the whole generation (cancelled if the client leaves), then answer."""

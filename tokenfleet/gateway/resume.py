@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
@@ -14,6 +15,14 @@ class StreamEvent:
     id: int  # 1, 2, 3, ... within one request
     data: str
     event: str | None = None
+
+
+class Follower(Protocol):
+    """One reader's position in a stream."""
+
+    async def next(self, wait_s: float) -> list[StreamEvent] | None:
+        """The events after the reader's position, waiting at most wait_s for some ([] if none came); None once
+        the stream is complete and read to its end, or when there is no such stream."""
 
 
 class ResumeBuffer(Protocol):
@@ -29,75 +38,156 @@ class ResumeBuffer(Protocol):
     async def owner(self, request_id: str) -> str | None:
         """The stream's owner, or None when there is no such stream (never existed, or expired)."""
 
+    def follow(self, request_id: str, after: int) -> Follower:
+        """A reader of the events with id > after, then of live ones until the stream is closed."""
+
     def read(self, request_id: str, after: int) -> AsyncIterator[StreamEvent]:
         """Events with id > after, then live ones until the stream is closed."""
 
 
-@dataclass
+async def read_all(follower: Follower, wait_s: float) -> AsyncIterator[StreamEvent]:
+    while (events := await follower.next(wait_s)) is not None:
+        for event in events:
+            yield event
+
+
+@dataclass(eq=False)
 class _Log:
     events: list[StreamEvent] = field(default_factory=list)
     closed: bool = False
     owner: str = ""
     expires_at: float = 0.0
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    waiters: list[asyncio.Future] = field(default_factory=list)
+
+    def changed(self) -> None:
+        for waiter in self.waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self.waiters.clear()
+
+    async def wait(self, timeout_s: float) -> None:
+        """Until the next change, or timeout_s (a timer, not a task: an idle reader costs a future)."""
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        self.waiters.append(waiter)
+        timer = loop.call_later(timeout_s, _settle, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            if self.waiters and waiter in self.waiters:  # timed out or cancelled: no change came
+                self.waiters.remove(waiter)
+
+
+def _settle(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+class _MemoryFollower:
+    def __init__(self, log: _Log | None, after: int) -> None:
+        self.log, self.after, self.position = log, after, 0
+
+    async def next(self, wait_s: float) -> list[StreamEvent] | None:
+        if self.log is None:
+            return None
+        events = self._take()
+        if events or self.log.closed:
+            return events or None
+        await self.log.wait(wait_s)
+        events = self._take()
+        return events if events or not self.log.closed else None
+
+    def _take(self) -> list[StreamEvent]:
+        events = self.log.events
+        if self.position >= len(events):
+            return []
+        new, self.position = events[self.position:], len(events)
+        if new[0].id <= self.after:  # a reader may ask for an id the stream has not reached yet
+            new = [e for e in new if e.id > self.after]
+        return new
 
 
 class MemoryResumeBuffer:
     def __init__(self, ttl_s: float = 300.0, max_events: int = 100_000) -> None:
         self.ttl_s, self.max_events = ttl_s, max_events
-        self._logs: dict[str, _Log] = {}
+        # least recently touched first: with one TTL for all, that is also the order in which they expire
+        self._logs: OrderedDict[str, _Log] = OrderedDict()
 
     async def open(self, request_id: str, owner: str = "") -> None:
         log = self._log(request_id)
         log.owner = owner
-        self._touch(log)
+        self._touch(request_id, log)
 
     async def append(self, request_id: str, event: StreamEvent) -> None:
         log = self._log(request_id)
         if len(log.events) < self.max_events:
             log.events.append(event)
-        self._touch(log)
+        self._touch(request_id, log)
 
     async def close(self, request_id: str) -> None:
         log = self._log(request_id)
         log.closed = True
-        self._touch(log)
+        self._touch(request_id, log)
 
     async def owner(self, request_id: str) -> str | None:
         self._expire()
         log = self._logs.get(request_id)
         return None if log is None else log.owner
 
-    async def read(self, request_id: str, after: int) -> AsyncIterator[StreamEvent]:
-        log = self._logs.get(request_id)
-        if log is None:
-            return
-        position = next((i for i, e in enumerate(log.events) if e.id > after), len(log.events))
-        while True:
-            while position < len(log.events):
-                event = log.events[position]
-                position += 1
-                if event.id > after:  # a reader may ask for an id the stream has not reached yet
-                    yield event
-            if log.closed:
-                return
-            log.changed.clear()
-            if position < len(log.events) or log.closed:
-                continue
-            await log.changed.wait()
+    def follow(self, request_id: str, after: int) -> Follower:
+        return _MemoryFollower(self._logs.get(request_id), after)
+
+    def read(self, request_id: str, after: int) -> AsyncIterator[StreamEvent]:
+        return read_all(self.follow(request_id, after), 60.0)
 
     def _log(self, request_id: str) -> _Log:
         self._expire()
-        return self._logs.setdefault(request_id, _Log())
+        log = self._logs.get(request_id)
+        if log is None:
+            log = self._logs[request_id] = _Log()
+        return log
 
-    def _touch(self, log: _Log) -> None:
+    def _touch(self, request_id: str, log: _Log) -> None:
         log.expires_at = time.monotonic() + self.ttl_s
-        log.changed.set()
+        self._logs.move_to_end(request_id)
+        log.changed()
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for request_id in [r for r, log in self._logs.items() if log.expires_at and log.expires_at < now]:
+        while self._logs:
+            request_id, log = next(iter(self._logs.items()))
+            if log.expires_at >= now:
+                return
             del self._logs[request_id]
+
+
+class _RedisFollower:
+    def __init__(self, buffer: RedisResumeBuffer, request_id: str, after: int) -> None:
+        self.buffer, self.key, self.after = buffer, buffer._key(request_id), after
+        self.cursor, self.ended = "0-0", False
+
+    async def next(self, wait_s: float) -> list[StreamEvent] | None:
+        if self.ended:
+            return None
+        redis = self.buffer.redis
+        block_ms = max(1, int(1000 * min(wait_s, self.buffer.block_ms / 1000)))
+        reply = await redis.xread({self.key: self.cursor}, count=500, block=block_ms)
+        if not reply:
+            return [] if await redis.exists(self.key) else None  # expired or never existed: nothing will come
+        events = []
+        for entry_id, fields in reply[0][1]:
+            self.cursor = entry_id
+            fields = {_text(k): _text(v) for k, v in fields.items()}
+            if RedisResumeBuffer.END in fields:
+                self.ended = True
+                break
+            if RedisResumeBuffer.OPEN in fields:
+                continue
+            event = StreamEvent(int(fields["id"]), fields["data"], fields.get("event"))
+            if event.id > self.after:
+                events.append(event)
+        return events if events or not self.ended else None
 
 
 class RedisResumeBuffer:
@@ -140,24 +230,11 @@ class RedisResumeBuffer:
         fields = {_text(k): _text(v) for k, v in first[0][1].items()}
         return fields.get(self.OPEN, "")
 
-    async def read(self, request_id: str, after: int) -> AsyncIterator[StreamEvent]:
-        key, cursor = self._key(request_id), "0-0"
-        while True:
-            reply = await self.redis.xread({key: cursor}, count=500, block=self.block_ms)
-            if not reply:
-                if not await self.redis.exists(key):
-                    return  # expired or never existed
-                continue
-            for entry_id, fields in reply[0][1]:
-                cursor = entry_id
-                fields = {_text(k): _text(v) for k, v in fields.items()}
-                if self.END in fields:
-                    return
-                if self.OPEN in fields:
-                    continue
-                event = StreamEvent(int(fields["id"]), fields["data"], fields.get("event"))
-                if event.id > after:
-                    yield event
+    def follow(self, request_id: str, after: int) -> Follower:
+        return _RedisFollower(self, request_id, after)
+
+    def read(self, request_id: str, after: int) -> AsyncIterator[StreamEvent]:
+        return read_all(self.follow(request_id, after), self.block_ms / 1000)
 
 
 def _text(value) -> str:

@@ -47,6 +47,7 @@ async def until_disconnect(request: Request, work) -> dict:
 
 def configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per load poll and health check otherwise
 
 
 def run_http(app: FastAPI, host: str, port: int, drain_timeout_s: float) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Mapping, Protocol
 
 from starlette.requests import Request
@@ -34,6 +35,10 @@ class Caller:
 
     def scopes(self) -> tuple[Scope, Scope]:
         """The organisation's and the user's quota scopes: tier defaults, overridden per tenant."""
+        return self._scopes
+
+    @cached_property
+    def _scopes(self) -> tuple[Scope, Scope]:  # once per principal: the Authenticator keeps its Caller
         p, tenant = self.principal, self.principal.org_id
         return (Scope(f"org:{tenant}", tenant, self.tier.org_limits.override(p.org_limits)),
                 Scope(f"user:{tenant}/{p.user_id}", tenant, self.tier.user_limits.override(p.user_limits)))
@@ -51,7 +56,7 @@ class Authenticator:
         """keys=None runs open: every request is the embedded server's single user, on `open_tier`."""
         self.keys, self.tiers, self.cache_ttl_s = keys, tiers, cache_ttl_s
         self.open_caller = None if keys is not None else self._caller(open_principal(open_tier))
-        self._cache: dict[str, tuple[float, Principal]] = {}
+        self._cache: dict[str, tuple[float, Caller]] = {}  # key digest -> (valid until, its caller)
 
     async def caller(self, request: Request) -> Caller:
         if self.open_caller is not None:
@@ -60,18 +65,19 @@ class Authenticator:
         digest = hashlib.sha256(plaintext.encode()).hexdigest()
         cached = self._cache.get(digest)
         if cached is not None and cached[0] > time.monotonic():
-            return self._caller(cached[1])
+            return cached[1]
         principal = await self.keys.authenticate(plaintext)
         if principal is None:
             self._cache.pop(digest, None)
             raise unauthorized(f"Incorrect API key provided: {_redact(plaintext)}. Create or look up keys with "
                                "`tokenfleet keys`.")
-        self._cache[digest] = (time.monotonic() + self.cache_ttl_s, principal)
-        return self._caller(principal)
+        caller = self._caller(principal)
+        self._cache[digest] = (time.monotonic() + self.cache_ttl_s, caller)
+        return caller
 
     def forget_key(self, key_id: str) -> None:
         """A key was revoked here: stop honouring it now rather than when its cache entry expires."""
-        for digest in [d for d, (_, p) in self._cache.items() if p.key_id == key_id]:
+        for digest in [d for d, (_, c) in self._cache.items() if c.principal.key_id == key_id]:
             del self._cache[digest]
 
     def _caller(self, principal: Principal) -> Caller:

@@ -5,6 +5,7 @@ with n > 1 that loses its replica ends with an error). Usage adds up over the at
 once, for what the client received."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -68,8 +69,13 @@ def _choose(request: RoutedRequest, exclude: list[str], attempt: int) -> Replica
     route = request.route
     route.replica, route.pool, route.reason = replica.name, replica.pool, choice.reason
     route.matched_blocks, route.skipped, route.attempt = choice.matched_blocks, choice.candidates_skipped, attempt
-    log.info("route %s", route.describe())
+    if log.isEnabledFor(logging.INFO):  # written after this turn of the loop, not before the replica is asked
+        asyncio.get_running_loop().call_soon(_log_route, route.describe())
     return replica
+
+
+def _log_route(description: str) -> None:
+    log.info("route %s", description)
 
 
 class _ReplicaFailed(Exception):

@@ -210,10 +210,13 @@ class HealthTracker:
 
     def _is_slow(self, replica: ReplicaHealth, ttft_s: float) -> bool:
         pool = self.pools[replica.pool]
+        if ttft_s <= self.settings.slow_ttft_min_s:  # under the floor nothing is slow: skip the median
+            pool.ttfts.append((replica.name, ttft_s))
+            return False
         # the pool's median without this replica's own samples, so a slow replica cannot drag the baseline to itself
         others = [t for n, t in pool.ttfts if n != replica.name]
         pool.ttfts.append((replica.name, ttft_s))
-        if ttft_s <= self.settings.slow_ttft_min_s or len(others) < self.settings.min_ttft_samples:
+        if len(others) < self.settings.min_ttft_samples:
             return False
         return ttft_s > self.settings.slow_ttft_factor * statistics.median(others)
 

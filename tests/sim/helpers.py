@@ -18,11 +18,15 @@ class Collect:
     def __init__(self) -> None:
         self.done: dict[str, tuple] = {}
         self.gaps: list[tuple[str, float, int]] = []
+        self.finished_step: dict[str, int] = {}
+        self.replica: SimReplica | None = None
 
     def first_token(self, sreq, now):
         pass
 
     def finished(self, sreq, now, reason):
+        step = self.replica._step[0] if self.replica._step else self.replica.step_no
+        self.finished_step[sreq.rid] = step
         self.done[sreq.rid] = (round(sreq.first_token or -1, 12), round(now, 12), reason, sreq.tokens_out,
                                sreq.preemptions, sreq.cached_tokens)
 
@@ -52,15 +56,20 @@ def make_requests(seed: int, n: int, rate: float, shared: int = 256, priorities=
 
 
 def run_replica(requests: list[SimRequest], num_blocks: int = 400, fast: bool = True, host_blocks: int = 200,
-                max_num_seqs: int = 32, budget: int = 512):
+                max_num_seqs: int = 32, budget: int = 512, swap_threshold: int = 128, at_once: bool = False):
+    """Runs the requests on one replica; at_once: all queued before the first step (an offline batch)."""
     clock = SimClock()
     events = EventQueue(clock)
     sink = Collect()
     spec = ReplicaSpec(num_blocks=num_blocks, num_host_blocks=host_blocks,
-                       scheduler=SchedulerConfig(max_num_seqs, budget, 128))
+                       scheduler=SchedulerConfig(max_num_seqs, budget, swap_threshold))
     replica = SimReplica("r0", spec, COST, events, sink, fast=fast)
+    sink.replica = replica
+    if at_once:
+        events.at(0.0, replica.add_many, requests)
     for sreq in requests:
-        events.at(sreq.arrival, replica.add, sreq)
+        if not at_once:
+            events.at(sreq.arrival, replica.add, sreq)
         if sreq.cancel_after is not None:
             events.at(sreq.arrival + sreq.cancel_after, replica.abort, sreq)
     events.run()

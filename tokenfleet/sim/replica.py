@@ -104,6 +104,15 @@ class SimReplica:
 
     # --- requests in and out ------------------------------------------------------------------------------
 
+    def add_many(self, sreqs: list[SimRequest]) -> None:
+        """Queues several requests before the next step starts (an offline batch)."""
+        busy, self.busy = self.busy, True
+        for sreq in sreqs:
+            self.add(sreq)
+        self.busy = busy
+        if not busy:
+            self._begin_step()
+
     def add(self, sreq: SimRequest) -> None:
         params = SamplingParams(max_tokens=sreq.max_tokens, ignore_eos=True, detokenize=False)
         req = Request(sreq.rid, sreq.prompt, params, priority=sreq.priority, arrival_time=sreq.arrival)
@@ -202,12 +211,13 @@ class SimReplica:
         for p in sorted(self._finishes.pop(s, ()), key=_rank):
             if self.parked.get(p.req) is p:
                 self._finish_parked(p, s, now)
-        self.step_no, self.busy, self._step = s, False, None
-        for sreq in self._aborts:
+        self.step_no, self._step = s, None
+        for sreq in self._aborts:  # still busy: what these free may bring new requests, queued for the next step
             self._apply_abort(sreq)
         self._aborts.clear()
         if self.fast:
             self._park_decodes(now)
+        self.busy = False
         if self.has_work():
             self._begin_step()
 

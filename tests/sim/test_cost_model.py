@@ -1,0 +1,65 @@
+"""The cost model against hand calculations (numbers worked out in the comments)."""
+from __future__ import annotations
+
+import pytest
+
+from tokenfleet.sim.cost_model import CostModel, StepBatch, kv_cache_blocks, roofline
+from tokenfleet.sim.hardware import hardware
+from tokenfleet.sim.models import model_shape
+
+LLAMA_70B = model_shape("llama-70b")
+
+
+def test_kv_bytes_per_token_is_the_designs_320_kb() -> None:
+    assert LLAMA_70B.kv_bytes_per_token("fp16") == 2 * 80 * 8 * 128 * 2 == 327_680
+
+
+def test_decode_step_70b_fp16_tp8_h100_by_hand() -> None:
+    # 64 sequences decoding at a context of 2,000 tokens.
+    # memory: weights 70.6e9 x 2 B = 141.2 GB; KV read 64 x 2,001 tokens x 327,680 B = 41.97 GB
+    #         over 8 GPUs x 3.35 TB/s x 0.8 = 21.44 TB/s            -> (141.2 + 41.97) GB / 21.44 TB/s = 8.543 ms
+    # compute: 2 x 70.6e9 x 64 = 9.04 TFLOP over 8 x 989 TFLOP/s x 0.5 -> 2.285 ms (+ attention 0.12 ms): below memory
+    # all-reduce: 160 x (8 us + 64 x 8192 x 2 B x 1.75 / (450 GB/s x 0.7)) = 160 x 13.83 us = 2.213 ms
+    # overhead: 2 ms + 64 x 10 us = 2.64 ms                            -> total 13.40 ms
+    cost = CostModel(roofline(LLAMA_70B, hardware("h100"), "fp16", "fp16", tp=8))
+    assert cost.decode_step_time(64, 2000) == pytest.approx(13.40e-3, rel=0.005)
+
+
+def test_decode_is_memory_bound_and_prefill_compute_bound() -> None:
+    c = roofline(LLAMA_70B, hardware("h100"), "fp8", "fp8", tp=8)
+    decode, prefill = StepBatch(), StepBatch()
+    for _ in range(32):
+        decode.add_chunk(1000, 1)
+    prefill.add_chunk(0, 2048)
+    assert c.weights_s + c.per_kv_token_s * decode.kv_tokens_read > c.per_token_s * decode.tokens
+    assert c.per_token_s * prefill.tokens > c.weights_s + c.per_kv_token_s * prefill.kv_tokens_read
+    # prefill of 2,048 tokens: 2 x 70.6e9 x 2048 = 289 TFLOP over 8 x 1979 x 0.5 TFLOP/s = 36.5 ms of linear layers
+    assert c.per_token_s * 2048 == pytest.approx(36.5e-3, rel=0.01)
+
+
+def test_h200_decodes_faster_and_fp8_halves_the_weight_read() -> None:
+    h100 = CostModel(roofline(LLAMA_70B, hardware("h100"), "fp16", "fp16", tp=8))
+    h200 = CostModel(roofline(LLAMA_70B, hardware("h200"), "fp16", "fp16", tp=8))
+    assert h200.decode_step_time(64, 2000) < h100.decode_step_time(64, 2000)
+    fp8 = roofline(LLAMA_70B, hardware("h100"), "fp8", "fp16", tp=8)
+    fp16 = roofline(LLAMA_70B, hardware("h100"), "fp16", "fp16", tp=8)
+    assert fp8.weights_s == pytest.approx(fp16.weights_s / 2)
+
+
+def test_kv_cache_size_is_memory_minus_weights() -> None:
+    # 8 x (80 GB x 0.9 - 4 GB) = 544 GB; minus 70.6 GB of FP8 weights = 473.4 GB; / (16 x 327,680 B) = 90,293 blocks
+    blocks = kv_cache_blocks(LLAMA_70B, hardware("h100"), "fp8", "fp16", tp=8, block_size=16)
+    assert blocks == int((8 * (80e9 * 0.9 - 4e9) - 70.6e9) // (16 * 327_680))
+
+
+@pytest.mark.parametrize("dtype, tp", [("fp16", 1), ("fp16", 2), ("fp8", 1)])
+def test_a_70b_model_that_does_not_fit_is_refused(dtype: str, tp: int) -> None:
+    with pytest.raises(ValueError, match="does not fit"):
+        kv_cache_blocks(LLAMA_70B, hardware("h100"), dtype, "fp16", tp=tp, block_size=16)
+
+
+def test_bad_tensor_parallel_and_unknown_gpu_are_refused() -> None:
+    with pytest.raises(ValueError, match="power of two"):
+        kv_cache_blocks(LLAMA_70B, hardware("h100"), "fp8", "fp16", tp=3, block_size=16)
+    with pytest.raises(ValueError, match="unknown GPU"):
+        hardware("a100")

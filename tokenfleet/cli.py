@@ -168,6 +168,18 @@ def run_usage(args: argparse.Namespace) -> int:
     return run_usage_command(args)
 
 
+def add_simulate(parser: argparse.ArgumentParser) -> None:
+    from tokenfleet.sim.command import add_simulate_arguments
+
+    add_simulate_arguments(parser)
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from tokenfleet.sim.command import run_simulate_command
+
+    return run_simulate_command(args)
+
+
 COMMANDS: list[Command] = [
     Command("serve", "gateway and one replica in one process (demo checkpoint without --model)", add_serve,
             run_serve),
@@ -179,6 +191,8 @@ COMMANDS: list[Command] = [
     Command("keys", "create, list and revoke API keys (runs database migrations first)", add_keys, run_keys),
     Command("usage", "tokens and cost by organisation, user, model and day; cost per million output tokens",
             add_usage, run_usage),
+    Command("simulate", "simulate a fleet (gateway, quotas, router, replicas) in simulated time: docs/simulator.md",
+            add_simulate, run_simulate),
 ]
 
 

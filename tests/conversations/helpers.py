@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import httpx
 
-from tests.gateway.inprocess import inprocess_gateway
+from tests.gateway.inprocess import MODEL, inprocess_gateway
 from tokenfleet.config import default_tiers
 from tokenfleet.conversations.routes import add_conversation_routes
 from tokenfleet.conversations.service import ConversationService
@@ -73,9 +73,12 @@ async def with_users(gateway: Gateway, db: Database) -> Users:
 
 
 @asynccontextmanager
-async def conversations_app(model_dir, db: Database, upstreams: list, **settings):
-    """(client, service, users) over an in-process gateway with the conversations routes on `db`."""
+async def conversations_app(model_dir, db: Database, upstreams: list, window: int | None = None, **settings):
+    """(client, service, users) over an in-process gateway with the conversations routes on `db`; `window`: the
+    model's context window as the gateway knows it (512 unless given)."""
     gateway = inprocess_gateway(model_dir, upstreams)
+    if window is not None:
+        gateway.models[MODEL] = replace(gateway.models[MODEL], max_model_len=window)
     users = await with_users(gateway, db)
     installed: list[ConversationService] = []
     app = create_gateway_app(gateway, lambda app: installed.append(

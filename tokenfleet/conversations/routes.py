@@ -3,7 +3,6 @@ design's format (`event: token` with {"type": "token", "text"}, then `event: don
 Every route acts for the caller's own user; another user's ids answer 404, as if they did not exist."""
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,7 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from tokenfleet.api.errors import APIError, bad_request, conflict, not_found
 from tokenfleet.api.http import install_error_handler, read_json, until_disconnect
 from tokenfleet.api.protocol import parse
-from tokenfleet.api.sse import sse_event
 from tokenfleet.conversations.cursors import BadCursor
 from tokenfleet.conversations.records import Conflict, Conversation, Message
 from tokenfleet.conversations.run import Run
@@ -226,16 +224,16 @@ def _reply_routes(app: FastAPI, gateway: Gateway, service: ConversationService) 
         with conversation_errors():
             # a client that leaves while its request waits for room gives the room back; once it runs, the reply
             # goes on (and is saved) whether the client stays or not
-            user, run = await until_disconnect(request, service.send(caller, conversation_id, body.content,
+            _, run = await until_disconnect(request, service.send(caller, conversation_id, body.content,
                                                                      body.options()))
-        return reply_stream(gateway, run, user)
+        return reply_stream(gateway, run)
 
     async def redo(message_id: str, request: Request, continuing: bool) -> SSEResponse:
         caller = await gateway.auth.caller(request)
         options = parse(ReplyBody, await _optional_json(request)).options()
         with conversation_errors():
             run = await until_disconnect(request, service.redo(caller, message_id, continuing, options))
-        return reply_stream(gateway, run, None)
+        return reply_stream(gateway, run)
 
     @app.post("/v1/messages/{message_id}/regenerate")
     async def regenerate(message_id: str, request: Request) -> SSEResponse:
@@ -246,17 +244,10 @@ def _reply_routes(app: FastAPI, gateway: Gateway, service: ConversationService) 
         return await redo(message_id, request, continuing=True)
 
 
-def reply_stream(gateway: Gateway, run: Run, user: Message | None) -> SSEResponse:
-    """A `start` event (the ids, so the client can stop the reply), the reply's events from its start, `done`."""
-    start = {"type": "start", "conversationId": run.conversation_id, "messageId": run.message_id,
-             "requestId": run.request_id, **({"userMessageId": user.id} if user is not None else {})}
-
-    async def events():
-        yield sse_event(json.dumps(start), event="start")
-        async for name, data in run.updates():
-            yield sse_event(json.dumps(data), event=name)
-
+def reply_stream(gateway: Gateway, run: Run) -> SSEResponse:
+    """The reply's events from its start (`start`, `token`..., `done`), with the gateway's heartbeats and send
+    timeout. A client that hangs up only ends its own connection."""
     headers = {"x-request-id": run.request_id, "x-conversation-id": run.conversation_id,
                "x-message-id": run.message_id}
-    return SSEResponse(events(), headers, gateway.settings.ping_interval_s, gateway.settings.send_timeout_s,
+    return SSEResponse(run.follow(), headers, gateway.settings.ping_interval_s, gateway.settings.send_timeout_s,
                        lambda how: gateway.metrics.stream_endings.labels(how).inc())

@@ -1,19 +1,16 @@
 """One reply being generated: it follows its relay's events in the resume buffer (the native format: deltas, an
 error, retrying), keeps the text, and turns them into the conversation stream's events (`token`, `error`,
-`retrying`, then `done`) for any number of client connections. It runs on its own, so a client that hangs up
-changes nothing: the reply goes on and is saved, and a refresh shows it."""
+`retrying`, then `done`) for any number of client connections, each reading them like a stream of the resume
+buffer. It runs on its own, so a client that hangs up changes nothing: the reply goes on and is saved, and a
+refresh shows it."""
 from __future__ import annotations
 
 import asyncio
 import json
 from dataclasses import dataclass, field
-from typing import AsyncIterator
-
 from tokenfleet.conversations.records import COMPLETE, FAILED, STOPPED, Message, Outcome
 from tokenfleet.gateway.relay import Relay
 from tokenfleet.gateway.resume import StreamEvent
-
-ConversationEvent = tuple[str, dict]  # (SSE event name, data)
 
 
 @dataclass(eq=False)
@@ -28,7 +25,7 @@ class Run:
     error: str | None = None
     result: Message | None = None  # the message as finally saved
     done: asyncio.Event = field(default_factory=asyncio.Event)
-    events: list[ConversationEvent] = field(default_factory=list)
+    events: list[StreamEvent] = field(default_factory=list)  # ids 1, 2, ...; data is JSON with its "type"
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -86,19 +83,37 @@ class Run:
                                **({"error": outcome.error} if status == FAILED else {})})
         self.done.set()
 
+    def started(self, user_message_id: str | None) -> None:
+        """The `start` event: the ids, so a client can stop the reply before it ends."""
+        self._publish("start", {"type": "start", "conversationId": self.conversation_id, "messageId": self.message_id,
+                                "requestId": self.request_id,
+                                **({"userMessageId": user_message_id} if user_message_id else {})})
+
     def _publish(self, name: str, data: dict) -> None:
-        self.events.append((name, data))
+        self.events.append(StreamEvent(len(self.events) + 1, json.dumps(data), name))
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
-    async def updates(self) -> AsyncIterator[ConversationEvent]:
-        """Every event from the start, then live ones, until `done`."""
-        position = 0
-        while True:
-            changed = self._changed
-            while position < len(self.events):
-                position += 1
-                yield self.events[position - 1]
-            if self.done.is_set():
-                return
-            await changed.wait()
+    def follow(self) -> "RunFollower":
+        return RunFollower(self)
+
+
+class RunFollower:
+    """One client's position in a run's events, read the way the gateway's SSE response reads the resume buffer
+    (gateway.resume.Follower): every event from the start, then live ones, then None after `done`."""
+
+    def __init__(self, run: Run) -> None:
+        self.run, self.position = run, 0
+
+    async def next(self, wait_s: float) -> list[StreamEvent] | None:
+        run = self.run
+        if self.position >= len(run.events):
+            if run.done.is_set():
+                return None
+            try:
+                async with asyncio.timeout(wait_s):
+                    await run._changed.wait()
+            except TimeoutError:
+                return []
+        new, self.position = run.events[self.position:], len(run.events)
+        return new

@@ -91,7 +91,7 @@ class ConversationService:
         except BaseException:
             relay.cancel("api")
             raise
-        return user, self._start(relay, reply)
+        return user, self._start(relay, reply, user_message_id=user.id)
 
     async def redo(self, caller: Caller, message_id: str, continuing: bool, options: ReplyOptions) -> Run:
         """Regenerates the conversation's last reply, or continues it (a stopped one, or one cut off at
@@ -132,8 +132,10 @@ class ConversationService:
         return await self.gateway.admit("text" if continuing else "chat", body, caller, native=True,
                                         affinity=conversation_id)
 
-    def _start(self, relay: Relay, reply: Message, prefix: str = "", prior_tokens: int = 0) -> Run:
+    def _start(self, relay: Relay, reply: Message, prefix: str = "", prior_tokens: int = 0,
+               user_message_id: str | None = None) -> Run:
         run = Run(reply.id, reply.conversation_id, relay, prefix, prior_tokens)
+        run.started(user_message_id)
         self.runs[reply.id] = run
         task = asyncio.create_task(self._follow(run), name=f"reply-{reply.id}")
         self._tasks.add(task)

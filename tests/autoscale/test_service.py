@@ -11,6 +11,7 @@ import pytest
 from tests.gateway.inprocess import multi_model_gateway
 from tokenfleet.autoscale import AutoscaleSettings, PoolPolicy
 from tokenfleet.autoscale.service import add_autoscaler
+from tokenfleet.autoscale.signals import ReplicaSignals, pool_signals
 from tokenfleet.config import DispatchSettings, FleetConfig
 from tokenfleet.dispatch.overload import OverloadLadder
 from tokenfleet.dispatch.records import Ticket
@@ -191,3 +192,11 @@ async def test_each_region_of_a_model_is_a_pool_of_its_own(demo_model_dir):
     assert decisions["chat/far"].desired == 2 and decisions["chat/near"].desired == 1
     assert 'tokenfleet_autoscale_desired_replicas{model="chat",pool="far"} 2.0' in gateway.render_metrics().decode()
     waiter.cancel()
+
+
+def test_a_request_moving_between_replicas_is_counted_once():
+    """One request at a time alternating between two replicas: the one it left still reports it (its load report
+    is a moment old) while the one it went to counts it fresh. Per replica that is two; for the pool, one."""
+    replicas = [ReplicaSignals("a", running=1, in_flight=0), ReplicaSignals("b", running=0, in_flight=1)]
+    signals = pool_signals("m/default", replicas, None, ("batch",), 1000.0)
+    assert signals.in_flight == 1 and [r.busy for r in replicas] == [1, 1]

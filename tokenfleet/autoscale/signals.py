@@ -131,10 +131,17 @@ def pool_signals(key: str, replicas: list[ReplicaSignals], snapshot: DispatchSna
     return PoolSignals(
         pool=key, ready=len(ready), starting=starting, draining=sum(r.draining for r in replicas),
         queued_requests=split["queued"], queued_tokens=split["queued_tokens"] + replica_tokens,
-        in_flight=sum(r.busy for r in replicas), batch_in_flight=split["batch_in_use"],
+        in_flight=_in_flight(replicas), batch_in_flight=split["batch_in_use"],
         batch_queued=split["batch_queued"], kv_usage_mean=sum(kv) / len(kv) if kv else 0.0,
         kv_usage_max=max(kv, default=0.0), projected_ttft_s=ttft, arrival_rate=arrival_rate, replicas=replicas,
         unavailable=sum(not r.draining and not r.healthy for r in replicas))
+
+
+def _in_flight(replicas: list[ReplicaSignals]) -> int:
+    """This gateway's own count (fresh) or the replicas' reports (every gateway's, a load interval old), whichever
+    is higher, over the pool as a whole: per replica, a request that just moved from one replica to another would
+    be counted twice (the old one's stale report and the new one's fresh count)."""
+    return max(sum(r.in_flight for r in replicas), sum(r.running + r.waiting for r in replicas))
 
 
 class GatewaySignals:

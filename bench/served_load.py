@@ -63,7 +63,9 @@ tokenfleet extras (with the `gateway` system):
                     the clients disconnected; then the gateway is stopped and the replica resumed (SIGCONT).
 
 Output: a markdown report (--out, default docs/benchmarks/served_load.md) and a JSON next to it; server logs, the
-workload and the raw per-request records stay in the run directory (printed at the end).
+workload and the raw per-request records stay in the run directory (printed at the end).  --keep-systems-from
+REPORT.json copies the rows of the systems not run now from an earlier report (marked as such, with that run's date,
+command and workload), so that e.g. a `--systems gateway` rerun still shows the comparison with the others.
 """
 
 from __future__ import annotations
@@ -790,7 +792,7 @@ def run_system(system: str, args, model_dir: Path, max_len: int, wl: dict, run_d
 
 def versions(args) -> dict:
     v = {}
-    for pkg in ("tokenfleet", "torch", "transformers", "httpx", "uvicorn", "fastapi"):
+    for pkg in ("tokenfleet", "torch", "transformers", "httpx", "httptools", "uvicorn", "fastapi"):
         try:
             v[pkg] = _pkg_version(pkg)
         except PackageNotFoundError:
@@ -818,9 +820,47 @@ def _ms(x, digits: int = 0) -> str:
     return "—" if x is None else f"{1e3 * x:.{digits}f}"
 
 
+def kept_rows(path: Path, run_now: list[str]) -> list[dict]:
+    """The rows of an earlier report (its JSON) for the systems not run now, each with where it came from (a row
+    that report had itself kept keeps its own origin)."""
+    old = json.loads(path.read_text())
+    rows = [r for r in old["systems"] if r["system"] not in run_now]
+    w = old["workload"]
+    shown = os.path.relpath(path.resolve(), REPO) if path.resolve().is_relative_to(REPO) else str(path)
+    origin = {"path": shown, "date": old["date"], "command": old["command"],
+              "tokenfleet": old["versions"].get("tokenfleet"),
+              "workload": f"{w['num_requests']} requests per rate at {', '.join(f'{x:g}' for x in w['rates'])} req/s",
+              "notes": [n for n in old.get("notes", []) if _mentions(n, [r["system"] for r in rows])
+                        and not _mentions(n, run_now)]}
+    return [dict(r, kept_from=r.get("kept_from") or origin) for r in rows]
+
+
+def _mentions(note: str, systems: list[str]) -> bool:
+    words = {"serve": "tokenfleet serve", "gateway": "gateway", "vllm": "vLLM", "transformers": "transformers"}
+    return any(words[s] in note for s in systems)
+
+
+def _kept_lines(rows: list[dict]) -> list[str]:
+    origins: dict[str, tuple[dict, list[str]]] = {}
+    for r in rows:
+        origins.setdefault(r["kept_from"]["date"] + r["kept_from"]["command"], (r["kept_from"], []))[1].append(
+            r["label"])
+    L = ["", "## Rows kept from an earlier run"]
+    for o, labels in origins.values():
+        L += ["", f"The rows marked \"(earlier run)\" of {', '.join(labels)} were not measured in this run: they are "
+              f"copied from `{o['path']}` ({o['date']}, tokenfleet {o['tokenfleet']}; {o['workload']}; command "
+              f"`{o['command']}`). Compare them with this run's rows with that in mind."]
+        if o["notes"]:
+            L += ["", "That run's notes on them:", ""] + [f"- {n}" for n in o["notes"]]
+    return L
+
+
 def write_report(path: Path, rep: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".json").write_text(json.dumps(rep, indent=1))
+    kept = [r for r in rep["systems"] if r.get("kept_from")]
+    rep = {**rep, "systems": [dict(r, label=r["label"] + " (earlier run)") if r.get("kept_from") else r
+                              for r in rep["systems"]]}
     m, w, c = rep["machine"], rep["workload"], rep["checkpoint"]
     slo = rep["slo"]
     L = [f"# Served load — {rep['date']}", "",
@@ -923,6 +963,8 @@ def write_report(path: Path, rep: dict) -> None:
         if s.get("ready_s") is not None:
             extra = f" Ready (healthy) after {s['ready_s']:.1f} s, warm-up {s.get('warmup_s', 0):.1f} s."
         L.append(f"- **{s['label']}** — status: {s['status']}. {cmds}.{extra}")
+    if kept:
+        L += _kept_lines(kept)
     if rep.get("notes"):
         L += ["", "## Notes", ""] + [f"- {n}" for n in rep["notes"]]
         if rep.get("json_rerenders"):
@@ -975,6 +1017,8 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="docs/benchmarks/served_load.md", help="'' = no report files")
     p.add_argument("--run-dir", help="where workload, logs and raw results go (default: a new temp dir)")
     p.add_argument("--note", action="append", default=[], help="a line for the report's notes (repeatable)")
+    p.add_argument("--keep-systems-from", metavar="JSON",
+                   help="an earlier report's JSON: copy the rows of the systems not run now from it (marked)")
     p.add_argument("--rerender", metavar="JSON",
                    help="do not run anything: rewrite the markdown from a previous run's JSON (plus any --note lines)")
     args = p.parse_args(argv)
@@ -992,6 +1036,7 @@ def main(argv=None) -> None:
     if bad:
         p.error(f"unknown systems {bad}; choose from {ALL_SYSTEMS}")
     systems = [s for s in ALL_SYSTEMS if s in systems]
+    kept = kept_rows(Path(args.keep_systems_from), systems) if args.keep_systems_from else []
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
     if not rates or any(r <= 0 for r in rates):
         p.error("--rates: positive numbers")
@@ -1018,6 +1063,8 @@ def main(argv=None) -> None:
         rows.append(run_system(s, args, model_dir, max_len, wl, run_dir, ports))
     total = time.perf_counter() - t_all
     print(f"\nall systems done in {total:.0f}s; run dir (workload, logs, raw records): {run_dir}")
+    order = {name: i for i, name in enumerate(ALL_SYSTEMS)}
+    report_rows = sorted(rows + kept, key=lambda r: order[r["system"]])
 
     notes = list(args.note)
     contended = [(r["label"], k, x["others_cpu"]) for r in rows for k, x in r.get("rates", {}).items()
@@ -1041,7 +1088,7 @@ def main(argv=None) -> None:
                             "output_min": args.output_min, "output_max": args.output_max,
                             "drain_timeout": args.drain_timeout, "kv_cache_gib": args.kv_cache_gib},
                "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot}, "idle_after_wait": args.idle_after_wait,
-               "systems": rows, "notes": notes, "run_dir": str(run_dir), "total_s": total}
+               "systems": report_rows, "notes": notes, "run_dir": str(run_dir), "total_s": total}
         write_report((REPO / args.out) if not os.path.isabs(args.out) else Path(args.out), rep)
 
 

@@ -61,6 +61,7 @@ class UsageRecorder:
                 raise_if_cancelled(e)
                 await asyncio.sleep(self.outage.failed(e))
                 continue
+            raise_if_cancelled()
             self.outage.recovered()
             await asyncio.sleep(self.checkpoint_s)
 

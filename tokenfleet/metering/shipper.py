@@ -48,6 +48,7 @@ class OutboxShipper:
                 raise_if_cancelled(e)
                 await asyncio.sleep(self.outage.failed(e))
                 continue
+            raise_if_cancelled()
             self.outage.recovered()
             if shipped < self.batch:
                 await asyncio.sleep(self.interval_s)

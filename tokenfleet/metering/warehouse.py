@@ -67,6 +67,7 @@ class WarehouseWriter:
                 raise_if_cancelled(e)
                 await asyncio.sleep(self.outage.failed(e))
                 continue
+            raise_if_cancelled()
             self.outage.recovered()
             if not drained and self.block_ms == 0:
                 await asyncio.sleep(0.1)  # reads that do not wait would spin

@@ -6,6 +6,10 @@ _vllm_worker.py inside the vLLM venv.)
 `others` = (CPU time of the whole machine, from /proc/stat) - (CPU time of this process and its descendants, from
 /proc/PID/stat), as a fraction of wall_s x cores.  ~0 on a quiet machine; 0.5 on 2 cores = one core's worth of
 someone else's work competed with the benchmark.  Linux only; returns None elsewhere.
+
+Servers the benchmark drives but did not start (a database's backend processes, redis-server) count as its own when
+their pids are given: probe.start(pids); ...; probe.stop(wall_s, pids).  A pid given only to stop() counts from 0
+(it started meanwhile); the CPU of one that exited during the window is lost (counted as others').
 """
 
 import os
@@ -48,19 +52,22 @@ def _tree_ticks(root: int) -> int:
 class CpuProbe:
     def __init__(self) -> None:
         self._start = None
+        self._extra = {}
 
-    def start(self) -> None:
+    def start(self, pids=()) -> None:
         try:
             self._start = (_machine_busy_ticks(), _tree_ticks(os.getpid()))
+            self._extra = {pid: _tree_ticks(pid) for pid in pids}
         except (OSError, ValueError, IndexError):
             self._start = None
 
-    def stop(self, wall_s: float):
+    def stop(self, wall_s: float, pids=()):
         if self._start is None or wall_s <= 0:
             return None
         try:
             busy = _machine_busy_ticks() - self._start[0]
             own = _tree_ticks(os.getpid()) - self._start[1]
+            own += sum(max(0, _tree_ticks(pid) - self._extra.get(pid, 0)) for pid in set(pids) | set(self._extra))
         except (OSError, ValueError, IndexError):
             return None
         return max(0.0, (busy - own) / _HZ / (wall_s * (os.cpu_count() or 1)))

@@ -193,6 +193,7 @@ async def stream_request(client, url: str, body: dict, deadline: float | None = 
     try:
         async with asyncio.timeout_at(deadline):
             async with client.stream("POST", url, json=body, headers=headers) as r:
+                rec["request_id"] = r.headers.get("x-request-id")  # tokenfleet's gateway names every request
                 if r.status_code != 200:
                     err = f"HTTP {r.status_code}: {(await r.aread())[:300].decode(errors='replace')}"
                 else:
@@ -457,17 +458,18 @@ ADMIN_KEY = "bench-admin-" + secrets.token_hex(16)  # guards the bench gateways'
 BENCH_TIER = "enterprise"
 
 
-def write_fleet_yaml(path: Path, model_dir: Path, port: int, replica_port: int, database: Path) -> None:
+def write_fleet_yaml(path: Path, model_dir: Path, port: int, replica_port: int, database: Path,
+                     extra: dict | None = None) -> None:
     """The gateway needs tenants (SQLite here) and an admin key. The bench tier has no limits (a tier given here
     replaces the default whole) and the dispatcher enough slots, so neither quota nor queueing takes part in the
-    comparison: what is measured is the gateway's own per-request work."""
-    path.write_text(json.dumps({"model_name": SERVED_NAME, "model_path": str(model_dir), "host": "127.0.0.1",
-                                "port": port, "replicas": [f"http://127.0.0.1:{replica_port}"],
-                                "drain_timeout_s": 5, "database_url": f"sqlite:///{database}",
-                                "admin_key": ADMIN_KEY,
-                                "tiers": {BENCH_TIER: {"priority": 0, "weight": 8, "user_limits": {},
-                                                       "org_limits": {}}},
-                                "dispatch": {"slots_per_replica": 256}}, indent=1) + "\n")  # JSON is YAML
+    comparison: what is measured is the gateway's own per-request work. `extra`: settings added or replaced
+    (another benchmark's database_url, redis_url, ...)."""
+    fleet = {"model_name": SERVED_NAME, "model_path": str(model_dir), "host": "127.0.0.1", "port": port,
+             "replicas": [f"http://127.0.0.1:{replica_port}"], "drain_timeout_s": 5,
+             "database_url": f"sqlite:///{database}", "admin_key": ADMIN_KEY,
+             "tiers": {BENCH_TIER: {"priority": 0, "weight": 8, "user_limits": {}, "org_limits": {}}},
+             "dispatch": {"slots_per_replica": 256}}
+    path.write_text(json.dumps({**fleet, **(extra or {})}, indent=1) + "\n")  # JSON is YAML
 
 
 def gateway_env(args) -> dict:

@@ -1,7 +1,9 @@
 """Start real server processes for tests, and wait for them to be healthy."""
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -18,12 +20,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the test process dies, even by SIGKILL (the OOM killer, a CI
+    timeout), so no server outlives its test run holding memory and ports."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 @contextmanager
 def running_process(args: list[str], health_url: str, log_path: Path, timeout: float = 120.0):
     """Runs `python -m tokenfleet ARGS` until the block ends; fails fast with the log if it dies or never answers."""
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "tokenfleet", *args], stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=_die_with_parent)
     try:
         wait_healthy(proc, health_url, log_path, timeout)
         yield proc

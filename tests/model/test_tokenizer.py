@@ -487,3 +487,19 @@ def test_token_stream_without_stop_flushes_everything(tok):
     deltas.append(matcher.flush())
     assert "".join(deltas) == tok.decode(ids) and deltas[-1].startswith("STO")
     assert matcher.matched is None
+
+
+def test_a_template_that_refuses_the_messages_is_a_400_not_a_500(tmp_path, demo_model_dir):
+    from tokenfleet.api.errors import APIError
+    from tokenfleet.api.protocol import ChatCompletionRequest, parse, prompt_token_ids
+
+    alternating = ("{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+                   "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+                   "{{ m.content }}{% endfor %}")
+    tok = Tokenizer.from_dir(copy_checkpoint(demo_model_dir, tmp_path, chat_template=alternating))
+    req = parse(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "a"},
+                                                                   {"role": "user", "content": "b"}]})
+    with pytest.raises(APIError) as refused:
+        prompt_token_ids(req, tok)
+    assert refused.value.status == 400 and "must alternate" in refused.value.message
+    assert refused.value.param == "messages"

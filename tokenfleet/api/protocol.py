@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import jinja2
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tokenfleet.api.errors import bad_request
@@ -158,8 +159,8 @@ def prompt_token_ids(req: ChatCompletionRequest | CompletionRequest, tokenizer) 
             raise bad_request("this server has no tokenizer; use /v1/completions with token ids")
         try:
             return [tokenizer.encode_chat(req.template_messages(), add_generation_prompt=req.add_generation_prompt)]
-        except ValueError as e:  # e.g. the template's own raise_exception on an unsupported conversation
-            raise bad_request(str(e), param="messages") from e
+        except (ValueError, jinja2.TemplateError) as e:  # e.g. the template's raise_exception on a conversation
+            raise bad_request(f"the model's chat template refused these messages: {e}", param="messages") from e
     prompts = []
     for prompt in req.prompts():
         if isinstance(prompt, str):

@@ -17,27 +17,44 @@ Snapshot = Callable[[], UsageEvent]  # the request's event as of now (counts so 
 
 
 class UsageRecorder:
-    def __init__(self, outbox: Outbox, lease_s: float = 30.0, checkpoint_s: float = 2.0) -> None:
+    def __init__(self, outbox: Outbox, lease_s: float = 30.0, checkpoint_s: float = 2.0, max_writes: int = 4) -> None:
+        """`max_writes`: opens and closes in flight at once; the others wait their turn. More than the database
+        pool keeps (5) made a burst of requests open and close a connection per write: on PostgreSQL ~180 new
+        connections per 1000 events and a third more CPU per event than waiting (bench/metering.py)."""
         if not 0 < checkpoint_s < lease_s:
             raise ValueError("need 0 < checkpoint_s < lease_s (a lease must outlive the renewal interval)")
+        if max_writes < 1:
+            raise ValueError("max_writes must be at least 1")
         self.outbox, self.lease_s, self.checkpoint_s = outbox, lease_s, checkpoint_s
+        self._writing = asyncio.Semaphore(max_writes)
         self.live: dict[str, Snapshot] = {}
         self.unsaved: dict[str, UsageEvent] = {}  # final events whose close failed, retried by `run`
         self._opening: dict[str, asyncio.Task] = {}
+        self._queued_opens: set[str] = set()  # opens still waiting for their turn to write
         self._tasks: set[asyncio.Task] = set()
         self.outage = Outage("usage recorder: outbox database", log, checkpoint_s, 30.0)
 
     def started(self, request_id: str, snapshot: Snapshot) -> None:
         self.live[request_id] = snapshot
+        self._queued_opens.add(request_id)
         self._opening[request_id] = self._spawn(self._open(snapshot()))
 
     def finished(self, event: UsageEvent) -> None:
         self.live.pop(event.request_id, None)
-        self._spawn(self._close(event, self._opening.pop(event.request_id, None)))
+        opening = self._opening.pop(event.request_id, None)
+        if event.request_id in self._queued_opens:
+            # Its open never got a turn to write (a backlog): the close inserts the row alone, one write instead
+            # of two, and closes do not wait behind the opens of newer requests.
+            self._queued_opens.discard(event.request_id)
+            opening.cancel()
+            opening = None
+        self._spawn(self._close(event, opening))
 
     async def _open(self, event: UsageEvent) -> None:
         try:
-            await self.outbox.open(event, self._lease_until())
+            async with self._writing:
+                self._queued_opens.discard(event.request_id)
+                await self.outbox.open(event, self._lease_until())
         except Exception as e:  # the close (or its retries) still writes the row
             raise_if_cancelled(e)
             log.warning("usage outbox: could not open %s: %r", event.request_id, e)
@@ -46,7 +63,8 @@ class UsageRecorder:
         if opening is not None:
             await asyncio.gather(opening, return_exceptions=True)  # the close must not overtake the open
         try:
-            await self.outbox.close(event)
+            async with self._writing:
+                await self.outbox.close(event)
         except Exception as e:
             raise_if_cancelled(e)
             log.warning("usage outbox: could not close %s (will retry): %r", event.request_id, e)

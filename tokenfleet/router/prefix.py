@@ -47,26 +47,29 @@ class PrefixIndex:
 
     def record(self, hashes: Sequence[bytes], replica: str) -> None:
         """Notes that `replica` now holds these blocks (the leading blocks of one prompt, in order)."""
-        is_new = [key not in self._entries for key in hashes]
+        entries, keep = self._entries, self.replicas_per_block
+        is_new = [key not in entries for key in hashes]
         # Deepest block first, so the shared leading blocks end up most recently used and are evicted last:
         # without block 0 the later blocks of the chain can never match again.
         for key in reversed(hashes):
-            entry = self._entries.get(key)
+            entry = entries.get(key)
             if entry is None:
-                entry = self._entries[key] = IndexEntry()
+                entry = entries[key] = IndexEntry()
             else:
-                self._entries.move_to_end(key)
-                if entry.holders and entry.holders[0] == replica:  # already the newest (a next turn)
+                entries.move_to_end(key)
+                holders = entry.holders
+                if holders and holders[0] == replica:  # already the newest holder (a conversation's next turn)
                     continue
-            if replica in entry.holders:
-                entry.holders.remove(replica)
-            entry.holders.insert(0, replica)
-            del entry.holders[self.replicas_per_block:]
+            holders = entry.holders
+            if replica in holders:
+                holders.remove(replica)
+            holders.insert(0, replica)
+            del holders[keep:]
         for i in range(1, len(hashes)):
             if is_new[i]:
-                self._entries[hashes[i - 1]].continuations += 1
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+                entries[hashes[i - 1]].continuations += 1
+        while len(entries) > self.max_entries:
+            entries.popitem(last=False)
 
     def matches(self, hashes: Sequence[bytes]) -> dict[str, int]:
         """Per replica, how many leading blocks of the prompt it is believed to hold (replicas with none omitted)."""

@@ -10,7 +10,6 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from tokenfleet.engine.kv_blocks import prefix_block_hashes
 from tokenfleet.sim.records import SimRequest
 
 TIERS = ("enterprise", "paid", "free", "batch")
@@ -113,7 +112,7 @@ class Workload:
         self.systems = [list(range(SYSTEM_TOKEN_BASE + i * 100_000,
                                    SYSTEM_TOKEN_BASE + i * 100_000 + shared.randint(*spec.system_prompt_tokens)))
                         for i in range(spec.system_prompts)]
-        self._system_hashes = [prefix_block_hashes(s, block_size) for s in self.systems]
+        self._system_hashes = [block_keys(s, block_size, []) for s in self.systems]
         self._tiers = [t for t in TIERS if spec.tiers.get(t, 0) > 0]
         self._tier_weights = [spec.tiers[t] for t in self._tiers]
         self._org_cum = list(_cumulative([1 / (i + 1) for i in range(spec.orgs_per_tier)]))  # Zipf-like tenants
@@ -157,7 +156,7 @@ class Workload:
         if len(prompt) + out_n > spec.max_model_len:
             return None
         output = list(range(base + (1 << 16), base + (1 << 16) + out_n))
-        hashes = prefix_block_hashes(prompt + output, self.block_size, conv.history_hashes)
+        hashes = block_keys(prompt + output, self.block_size, conv.history_hashes)
         cancel = rng.uniform(0.5, 1.0 + 0.03 * out_n) if rng.random() < spec.cancel_probability else None
         sreq = SimRequest(f"c{conv.cid}t{conv.turn}", conv.tier, conv.tenant, conv.user, priority, prompt, output,
                           hashes, now, conversation=conv.cid, turn=conv.turn, cancel_after=cancel)
@@ -171,6 +170,19 @@ class Workload:
 
     def think_time(self, conv: Conversation) -> float:
         return conv.rng.expovariate(1 / self.spec.think_time_s) if self.spec.think_time_s > 0 else 0.0
+
+
+def block_keys(token_ids: list[int], block_size: int, start: list[bytes]) -> list[bytes]:
+    """Prefix-cache keys for every full block of `token_ids`, chained over the parent's key like the engine's
+    (`prefix_block_hashes`), but with Python's tuple hash instead of BLAKE2: the simulator hands these keys to the
+    engine (Request.block_hashes) and to the router (choose(hashes=...)), which only ever compare them, and the
+    engine still checks a hit's tokens. The same tokens always give the same keys, in every process."""
+    keys = list(start)
+    parent = int.from_bytes(keys[-1], "little") if keys else 0
+    for i in range(len(keys), len(token_ids) // block_size):
+        parent = hash((parent, *token_ids[i * block_size:(i + 1) * block_size])) & 0xFFFF_FFFF_FFFF_FFFF
+        keys.append(parent.to_bytes(8, "little"))
+    return keys
 
 
 def _geometric(rng: random.Random, mean: float) -> int:

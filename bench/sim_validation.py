@@ -1,0 +1,186 @@
+#!/usr/bin/env python3
+"""The simulator against the real engine on this machine (issue 7: "within 15%").
+
+    python bench/sim_validation.py                       # report: docs/benchmarks/simulator_validation.md + .json
+    python bench/sim_validation.py --out ''              # print only
+
+1. Writes the demo checkpoint (--size, default small) and starts the real engine on the CPU with a small KV cache
+   (--kv-cache-gib) so that requests get preempted.
+2. Calibration: replays a calibration workload (its own seed) on the engine in real time, records every step's
+   batch (tokens, attention pairs, KV tokens read, sequences, swapped blocks) and measured duration, and fits the
+   cost model's coefficients (tokenfleet/sim/calibration.py: least squares, non-negative).
+3. Validation: for each --rates value, a fresh engine replays a different workload (Poisson arrivals, shared system
+   prompts, outputs of varied length, two priority classes) in real time; the simulator runs the same arrivals
+   on one replica with the same engine settings and the calibrated cost model. Compared: TTFT mean / p50 / p90,
+   throughput (output tokens / time to the last completion) and preemptions. Target: within 15%.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # the engine single-threaded: its CPU time is then its step time
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tokenfleet.config import EngineConfig  # noqa: E402
+from tokenfleet.engine.engine import Engine  # noqa: E402
+from tokenfleet.engine.scheduler import SchedulerConfig  # noqa: E402
+from tokenfleet.model.demo import write_demo_checkpoint  # noqa: E402
+import torch  # noqa: E402
+
+from tokenfleet.sim.calibration import Arrival, Measured, fit, fit_error, replay, simulate  # noqa: E402
+from tokenfleet.sim.cost_model import CostModel  # noqa: E402
+from tokenfleet.sim.replica import ReplicaSpec  # noqa: E402
+
+try:
+    from _cpuprobe import CpuProbe  # noqa: E402
+except ImportError:  # pragma: no cover
+    CpuProbe = None
+
+
+CLOCK = "cpu"
+
+
+def workload(seed: int, n: int, rate: float, vocab: int) -> list[Arrival]:
+    rng = random.Random(seed)
+    systems = [[rng.randrange(4, vocab) for _ in range(rng.randint(100, 300))] for _ in range(3)]
+    arrivals, t = [], 0.0
+    for i in range(n):
+        t += rng.expovariate(rate) if rate != float("inf") else 1e-9  # inf: an offline batch, all at once
+        prompt = rng.choice(systems) + [rng.randrange(4, vocab) for _ in range(rng.randint(20, 400))]
+        arrivals.append(Arrival(f"r{i}", t, prompt, rng.randint(16, 256), priority=rng.choice((0, 0, 1))))
+    return arrivals
+
+
+def engine_options(args) -> dict:
+    return dict(kv_cache_gib=args.kv_cache_gib, swap_space_gib=args.swap_space_gib, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=2048)
+
+
+def fresh_engine(model: Path, args) -> Engine:
+    engine = Engine(EngineConfig.from_options(str(model), **engine_options(args)))
+    warm = Arrival("warm", 0.0, list(range(10, 300)), 8)
+    replay(engine, [warm], CLOCK)  # kernels built and warmed; a prompt no workload shares
+    return engine
+
+
+def summarize(m: Measured) -> dict:
+    ttfts = sorted(m.ttft.values())
+    return {"ttft_mean_s": statistics.fmean(ttfts), "ttft_p50_s": ttfts[len(ttfts) // 2],
+            "ttft_p90_s": ttfts[int(0.9 * len(ttfts))], "throughput_tok_s": m.output_tokens / max(m.finished.values()),
+            "preemptions": m.preemptions, "completed": len(m.finished)}
+
+
+def compare(real: dict, sim: dict) -> dict:
+    keys = ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "throughput_tok_s", "preemptions")
+    return {k: (sim[k] - real[k]) / real[k] if real[k] else (0.0 if sim[k] == real[k] else float("inf"))
+            for k in keys}
+
+
+def calibrate(model: Path, args) -> tuple:
+    engine = fresh_engine(model, args)
+    vocab = engine.model_config.vocab_size
+    batches, durations = [], []
+    # two regimes, like the validation runs: an offline batch (large batches) and Poisson arrivals (small ones)
+    for seed, rate in ((args.seed + 1000, float("inf")), (args.seed + 2000, args.calibration_rate)):
+        measured = replay(engine, workload(seed, args.calibration_requests, rate, vocab), CLOCK)
+        batches += measured.batches
+        durations += measured.durations
+    coefficients = fit(batches, durations)
+    print("calibration fit:", fit_error(coefficients, batches, durations), file=sys.stderr)
+    spec = ReplicaSpec(engine.blocks.num_blocks, engine.config.block_size, len(engine.blocks.free_host),
+                       engine.config.watermark, True, engine.max_model_len,
+                       SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
+                                       engine.config.swap_threshold_tokens))
+    return coefficients, spec, vocab, len(durations)
+
+
+def validate(model: Path, args, rate: float, coefficients, spec, vocab: int) -> dict:
+    arrivals = workload(args.seed, args.requests, rate, vocab)
+    engine = fresh_engine(model, args)
+    probe = CpuProbe() if CpuProbe else None
+    if probe:
+        probe.start()
+    started = time.perf_counter()
+    measured = replay(engine, arrivals, CLOCK)
+    real = summarize(measured)
+    others = probe.stop(time.perf_counter() - started) if probe else None
+    step_fit = fit_error(coefficients, measured.batches, measured.durations)
+    sim = summarize(simulate(arrivals, spec, CostModel(coefficients)))
+    return {"rate": rate, "real": real, "sim": sim, "error": compare(real, sim), "other_cpu_share": others,
+            "step_fit": step_fit}
+
+
+def render(result: dict) -> str:
+    lines = ["# Simulator validation: the simulated replica against the real engine", "",
+             f"`{result['command']}` ({result['date']}; {result['machine']})", "",
+             f"Checkpoint: demo `{result['size']}`; engine: {result['engine']}; KV cache {result['kv_blocks']} "
+             f"blocks of {result['block_size']} tokens, {result['host_blocks']} host blocks. Calibrated on "
+             f"{result['calibration_steps']} measured steps of two separate workloads (an offline batch and "
+             f"{result['calibration_rate']:g} req/s, other seeds). The real engine's clock: {result['clock']}.", "",
+             "```", json.dumps(result["coefficients"], indent=1), "```", "",
+             "| rate (req/s) | metric | real engine | simulator | difference |", "|---:|---|---:|---:|---:|"]
+    for run in result["runs"]:
+        for key in ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "throughput_tok_s", "preemptions"):
+            real, sim, err = run["real"][key], run["sim"][key], run["error"][key]
+            lines.append(f"| {run['rate']:g} | {key} | {real:.4g} | {sim:.4g} | {err:+.1%} |")
+    lines += ["", "Step-time model on each validation run's measured steps (mean absolute relative error per step; "
+              "predicted / measured total): " + "; ".join(
+                  f"{r['rate']:g} req/s: {r['step_fit']['mean_abs_rel_error']:.1%}, "
+                  f"{r['step_fit']['total_predicted_over_measured']:.3f}" for r in result["runs"])]
+    worst = max(abs(e) for run in result["runs"] for e in run["error"].values())
+    lines += ["", f"Largest difference: {worst:.1%} (target: within 15%). Other processes' CPU during the real runs: "
+              + ", ".join("-" if r["other_cpu_share"] is None else f"{r['other_cpu_share']:.0%}"
+                          for r in result["runs"]) + " of the machine.", ""]
+    return "\n".join(lines + result.get("notes", []))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="medium")
+    p.add_argument("--requests", type=int, default=80)
+    p.add_argument("--rates", default="inf,1.5,2.5", help="validation arrival rates, requests/s (inf: an offline batch)")
+    p.add_argument("--calibration-requests", type=int, default=60)
+    p.add_argument("--calibration-rate", type=float, default=2.0)
+    p.add_argument("--kv-cache-gib", type=float, default=0.05)
+    p.add_argument("--swap-space-gib", type=float, default=0.01)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="docs/benchmarks/simulator_validation.md")
+    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                   help="the real engine's time: its thread's CPU time (default; a shared machine) or wall time")
+    args = p.parse_args()
+    global CLOCK
+    CLOCK = args.clock
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_demo_checkpoint(Path(tmp) / args.size, size=args.size)
+        coefficients, spec, vocab, steps = calibrate(model, args)
+        runs = [validate(model, args, float(r), coefficients, spec, vocab) for r in args.rates.split(",")]
+    import platform
+    result = {"command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
+              "machine": f"{platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores",
+              "size": args.size, "engine": engine_options(args), "kv_blocks": spec.num_blocks,
+              "block_size": spec.block_size, "host_blocks": spec.num_host_blocks, "calibration_steps": steps,
+              "calibration_rate": args.calibration_rate, "clock": args.clock,
+              "coefficients": asdict(coefficients), "runs": runs}
+    print(render(result))
+    if args.out:
+        Path(args.out).write_text(render(result))
+        Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""How fast the fleet simulator runs: simulated requests per minute of wall time and of CPU time.
+
+    python bench/simulator_speed.py                                   # report: docs/benchmarks/simulator_speed.md
+    python bench/simulator_speed.py --configs bench/sim/flagship.yaml --out ''
+
+For each config: the run's wall and CPU time (process time, which other processes on a shared machine cannot
+inflate), requests simulated (every turn that arrived), engine steps, and what share of steps ran in full
+(parked decodes rejoining the scheduler). Target (issue 7): at least 100,000 simulated requests per minute.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tokenfleet.sim import config  # noqa: E402
+from tokenfleet.sim.fleet import Fleet  # noqa: E402
+from tokenfleet.sim.report import build_report  # noqa: E402
+
+try:
+    from _cpuprobe import CpuProbe  # noqa: E402
+except ImportError:  # pragma: no cover
+    CpuProbe = None
+
+
+def measure(path: str, seed: int) -> dict:
+    setup = config.load(path, seed)
+    probe = CpuProbe() if CpuProbe else None
+    if probe:
+        probe.start()
+    wall, cpu = time.perf_counter(), time.process_time()
+    fleet = Fleet(setup).run()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    report = build_report(fleet, wall)
+    t = report["totals"]
+    return {"config": path, "setup": report["setup"], "requests": fleet.requests_seen, "wall_s": round(wall, 2),
+            "cpu_s": round(cpu, 2), "per_wall_minute": round(fleet.requests_seen / wall * 60),
+            "per_cpu_minute": round(fleet.requests_seen / cpu * 60), "steps": t["engine_steps"],
+            "full_steps": t["full_steps"], "simulated_s": round(fleet.clock.now, 1),
+            "other_cpu_share": probe.stop(wall) if probe else None}
+
+
+def render(result: dict) -> str:
+    lines = ["# Simulator speed", "", f"`{result['command']}` ({result['date']}; {result['machine']})", "",
+             "| config | fleet | requests | simulated s | wall s | CPU s | requests / wall min | requests / CPU min "
+             "| steps (full) | other CPU |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in result["runs"]:
+        s = r["setup"]
+        fleet = f"{s['replicas']} x {s['model']} {s['weight_dtype']} TP{s['tensor_parallel']} {s['gpu']}"
+        other = "-" if r["other_cpu_share"] is None else f"{r['other_cpu_share']:.0%}"
+        lines.append(f"| `{r['config']}` | {fleet} | {r['requests']} | {r['simulated_s']} | {r['wall_s']} | "
+                     f"{r['cpu_s']} | {r['per_wall_minute']:,} | {r['per_cpu_minute']:,} | {r['steps']:,} "
+                     f"({r['full_steps']:,}) | {other} |")
+    return "\n".join(lines + [""] + result.get("notes", []))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="bench/sim/flagship.yaml,bench/sim/speed.yaml")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="docs/benchmarks/simulator_speed.md")
+    args = p.parse_args()
+    runs = [measure(path, args.seed) for path in args.configs.split(",")]
+    result = {"command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores", "runs": runs}
+    print(render(result))
+    if args.out:
+        Path(args.out).write_text(render(result) + "\n")
+        Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""Calibrating the cost model on a real engine: record each step's batch (what the scheduler planned) and its
+measured duration, fit the step-time coefficients by least squares, and replay a workload on the real engine in
+real time to compare with the simulator."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tokenfleet.engine.engine import Engine
+from tokenfleet.engine.request import SamplingParams
+from tokenfleet.sim.cost_model import CostModel, StepBatch, StepCoefficients
+
+FEATURES = ("overhead_s", "per_sequence_s", "per_token_s", "per_attention_pair_s", "per_kv_token_s",
+            "swap_per_block_s")
+
+
+def features(batch: StepBatch) -> list[float]:
+    return [1.0, batch.sequences, batch.tokens, batch.attention_pairs, batch.kv_tokens_read, batch.swapped_blocks]
+
+
+class StepRecorder:
+    """Wraps an engine's scheduler so that every step's plan is kept as a StepBatch (before the step updates it)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.last: StepBatch | None = None
+        schedule = engine.scheduler.schedule
+
+        def recording():
+            out = schedule()
+            batch = StepBatch(swapped_blocks=len(out.swap_in) + len(out.swap_out))
+            for chunk in out.chunks:
+                batch.add_chunk(chunk.req.num_computed_tokens, chunk.num_tokens)
+            self.last = batch
+            return out
+
+        engine.scheduler.schedule = recording
+
+
+def fit(batches: list[StepBatch], durations: list[float]) -> StepCoefficients:
+    """Non-negative least squares on the step-time features (a coefficient that comes out negative is dropped
+    and the rest refitted). Unweighted, so the predicted total time equals the measured one: queueing delays
+    depend on the sum of step times more than on any single step."""
+    x = np.array([features(b) for b in batches], dtype=float)
+    y = np.array(durations, dtype=float)
+    active = [i for i in range(x.shape[1]) if x[:, i].any()]
+    while True:
+        coef, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (coef >= 0).all():
+            break
+        active.pop(int(np.argmin(coef)))
+    values = dict.fromkeys(FEATURES, 0.0)
+    for i, c in zip(active, coef):
+        values[FEATURES[i]] = float(c)
+    return StepCoefficients(weights_s=0.0, combine="sum", **values)
+
+
+@dataclass
+class Arrival:
+    rid: str
+    at: float  # seconds after the start
+    prompt: list[int]
+    max_tokens: int
+    priority: int = 0
+
+
+@dataclass
+class Measured:
+    ttft: dict[str, float] = field(default_factory=dict)
+    finished: dict[str, float] = field(default_factory=dict)
+    output_tokens: int = 0
+    preemptions: int = 0
+    makespan_s: float = 0.0
+    batches: list[StepBatch] = field(default_factory=list)
+    durations: list[float] = field(default_factory=list)
+
+
+def replay(engine: Engine, arrivals: list[Arrival], clock: str = "cpu") -> Measured:
+    """Runs the arrivals on the real engine (each request added once its time has come, steps back to back while
+    there is work) and measures TTFT, completions, preemptions and every step's duration.
+
+    clock "wall": real time. clock "cpu": time is the engine thread's CPU time (run torch single-threaded), and
+    idle gaps are skipped: what the engine would take on a core of its own, unaffected by other processes on a
+    shared machine."""
+    if clock not in ("cpu", "wall"):
+        raise ValueError(f"clock must be cpu or wall, got {clock!r}")
+    recorder, result = StepRecorder(engine), Measured()
+    pending = sorted(arrivals, key=lambda a: a.at)
+    preempted_before = engine.scheduler.num_preemptions
+    tick = time.thread_time if clock == "cpu" else time.perf_counter
+    start, now, i = time.perf_counter(), 0.0, 0
+    while i < len(pending) or engine.has_unfinished():
+        if clock == "wall":
+            now = time.perf_counter() - start
+        while i < len(pending) and pending[i].at <= now:
+            a = pending[i]
+            engine.add_request(a.prompt, SamplingParams(max_tokens=a.max_tokens, ignore_eos=True, detokenize=False),
+                               request_id=a.rid, priority=a.priority)
+            i += 1
+        if not engine.has_unfinished():
+            if clock == "wall":
+                time.sleep(max(0.0, pending[i].at - now))
+            else:
+                now = pending[i].at
+            continue
+        began = tick()
+        outputs = engine.step()
+        duration = tick() - began
+        now = now + duration if clock == "cpu" else time.perf_counter() - start
+        result.batches.append(recorder.last)
+        result.durations.append(duration)
+        for out in outputs:
+            if out.request_id not in result.ttft:
+                result.ttft[out.request_id] = now
+            if out.finished:
+                result.finished[out.request_id] = now
+                result.output_tokens += len(out.token_ids)
+    result.makespan_s = now
+    result.preemptions = engine.scheduler.num_preemptions - preempted_before
+    arrived = {a.rid: a.at for a in arrivals}
+    result.ttft = {rid: t - arrived[rid] for rid, t in result.ttft.items()}
+    return result
+
+
+def fit_error(coefficients: StepCoefficients, batches: list[StepBatch], durations: list[float]) -> dict:
+    """How well the cost model predicts measured steps: mean absolute relative error, and total time ratio."""
+    model = CostModel(coefficients)
+    predicted = [model.step_time(b) for b in batches]
+    errors = [abs(p - d) / d for p, d in zip(predicted, durations) if d > 0]
+    return {"steps": len(durations), "mean_abs_rel_error": sum(errors) / len(errors),
+            "total_predicted_over_measured": sum(predicted) / sum(durations)}
+
+
+class _Sink:
+    def __init__(self, result: Measured) -> None:
+        self.result = result
+
+    def first_token(self, sreq, now: float) -> None:
+        self.result.ttft[sreq.rid] = now - sreq.arrival
+
+    def finished(self, sreq, now: float, reason: str) -> None:
+        self.result.finished[sreq.rid] = now
+        self.result.output_tokens += sreq.tokens_out
+
+    def inter_token(self, tier: str, gap_s: float, count: int) -> None:
+        pass
+
+    def inter_tokens(self, gap_s: float, per_tier: dict) -> None:
+        pass
+
+
+def simulate(arrivals: list[Arrival], spec, cost) -> Measured:
+    """The same arrivals on one simulated replica (the engine's scheduler and block manager, the cost model)."""
+    from tokenfleet.engine.kv_blocks import prefix_block_hashes
+    from tokenfleet.sim.events import EventQueue, SimClock
+    from tokenfleet.sim.records import SimRequest
+    from tokenfleet.sim.replica import SimReplica
+
+    result = Measured()
+    events = EventQueue(SimClock())
+    replica = SimReplica("sim", spec, cost, events, _Sink(result))
+    for i, a in enumerate(arrivals):
+        output = [(i * 7919 + k) % 1000 for k in range(a.max_tokens)]  # never matched by another request
+        sreq = SimRequest(a.rid, "paid", "org", "user", a.priority, a.prompt, output,
+                          prefix_block_hashes(a.prompt, spec.block_size), a.at)
+        events.at(a.at, replica.add, sreq)
+    events.run()
+    result.makespan_s = events.clock.now
+    result.preemptions = replica.scheduler.num_preemptions
+    return result

@@ -22,7 +22,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # the engine single-threaded: its
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import tempfile
@@ -38,7 +37,8 @@ from tokenfleet.engine.scheduler import SchedulerConfig  # noqa: E402
 from tokenfleet.model.demo import write_demo_checkpoint  # noqa: E402
 import torch  # noqa: E402
 
-from tokenfleet.sim.calibration import Arrival, Measured, fit, fit_error, replay, simulate  # noqa: E402
+from tokenfleet.sim.calibration import (Arrival, Measured, fit, fit_error, replay, simulate,  # noqa: E402
+                                        synthetic_arrivals)
 from tokenfleet.sim.cost_model import CostModel  # noqa: E402
 from tokenfleet.sim.replica import ReplicaSpec  # noqa: E402
 
@@ -52,14 +52,7 @@ CLOCK = "cpu"
 
 
 def workload(seed: int, n: int, rate: float, vocab: int) -> list[Arrival]:
-    rng = random.Random(seed)
-    systems = [[rng.randrange(4, vocab) for _ in range(rng.randint(100, 300))] for _ in range(3)]
-    arrivals, t = [], 0.0
-    for i in range(n):
-        t += rng.expovariate(rate) if rate != float("inf") else 1e-9  # inf: an offline batch, all at once
-        prompt = rng.choice(systems) + [rng.randrange(4, vocab) for _ in range(rng.randint(20, 400))]
-        arrivals.append(Arrival(f"r{i}", t, prompt, rng.randint(16, 256), priority=rng.choice((0, 0, 1))))
-    return arrivals
+    return synthetic_arrivals(seed, n, rate, vocab)
 
 
 def engine_options(args) -> dict:

@@ -3,6 +3,7 @@ measured duration, fit the step-time coefficients by least squares, and replay a
 real time to compare with the simulator."""
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -75,6 +76,19 @@ class Measured:
     makespan_s: float = 0.0
     batches: list[StepBatch] = field(default_factory=list)
     durations: list[float] = field(default_factory=list)
+
+
+def synthetic_arrivals(seed: int, n: int, rate: float, vocab: int) -> list[Arrival]:
+    """Poisson arrivals (rate inf: an offline batch, all at once) of prompts that start with one of three shared
+    system prompts, outputs of 16 to 256 tokens, two priority classes."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(4, vocab) for _ in range(rng.randint(100, 300))] for _ in range(3)]
+    arrivals, t = [], 0.0
+    for i in range(n):
+        t += rng.expovariate(rate) if rate != float("inf") else 1e-9
+        prompt = rng.choice(systems) + [rng.randrange(4, vocab) for _ in range(rng.randint(20, 400))]
+        arrivals.append(Arrival(f"r{i}", t, prompt, rng.randint(16, 256), priority=rng.choice((0, 0, 1))))
+    return arrivals
 
 
 def replay(engine: Engine, arrivals: list[Arrival], clock: str = "cpu") -> Measured:

@@ -29,7 +29,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from tokenfleet.config import EngineConfig  # noqa: E402
 from tokenfleet.engine.engine import Engine  # noqa: E402
@@ -141,11 +143,11 @@ def render(result: dict) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="medium")
-    p.add_argument("--requests", type=int, default=80)
-    p.add_argument("--rates", default="inf,1.5,2.5", help="validation arrival rates, requests/s (inf: an offline batch)")
+    p.add_argument("--requests", type=int, default=150)
+    p.add_argument("--rates", default="inf,0.8,1.5", help="validation arrival rates, requests/s (inf: an offline batch)")
     p.add_argument("--calibration-requests", type=int, default=60)
-    p.add_argument("--calibration-rate", type=float, default=2.0)
-    p.add_argument("--kv-cache-gib", type=float, default=0.05)
+    p.add_argument("--calibration-rate", type=float, default=1.2)
+    p.add_argument("--kv-cache-gib", type=float, default=0.04)
     p.add_argument("--swap-space-gib", type=float, default=0.01)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -170,8 +172,9 @@ def main() -> int:
               "coefficients": asdict(coefficients), "runs": runs}
     print(render(result))
     if args.out:
-        Path(args.out).write_text(render(result))
-        Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+        out = Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out
+        out.write_text(render(result))
+        out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 

@@ -18,7 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from tokenfleet.sim import config  # noqa: E402
 from tokenfleet.sim.fleet import Fleet  # noqa: E402
@@ -31,7 +33,7 @@ except ImportError:  # pragma: no cover
 
 
 def measure(path: str, seed: int) -> dict:
-    setup = config.load(path, seed)
+    setup = config.load(path if Path(path).is_absolute() else ROOT / path, seed)
     probe = CpuProbe() if CpuProbe else None
     if probe:
         probe.start()
@@ -72,8 +74,9 @@ def main() -> int:
               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "runs": runs}
     print(render(result))
     if args.out:
-        Path(args.out).write_text(render(result) + "\n")
-        Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+        out = Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out
+        out.write_text(render(result) + "\n")
+        out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 

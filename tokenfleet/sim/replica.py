@@ -162,8 +162,10 @@ class SimReplica:
             else:
                 self._unpark_classes_at_risk(len(takes))
             # which free block each gets does not matter (results are the same up to block relabelling)
+            grow, offset = self.blocks.grow, s - 2
             for p in list(takes.values()):
-                self._take_block(p, s)
+                p.req.num_computed_tokens = p.base_tokens + offset - p.base_step
+                grow(p.req, 1)
         out = self._schedule()
         duration = self.cost.step_time(self._batch(out, s))
         sampling = [c for c in out.chunks if c.samples]
@@ -201,8 +203,10 @@ class SimReplica:
         now = self.events.clock.now
         registers = self._registers[s % self.spec.block_size]
         if registers:  # in the scheduler's order: the first to register a key wins, should two blocks share it
-            for p in sorted(registers.values(), key=_rank):
-                self._register_blocks(p, s)
+            cache_full_blocks, offset = self.blocks.cache_full_blocks, s - 1
+            for p in (sorted(registers.values(), key=_rank) if len(registers) > 1 else registers.values()):
+                p.req.num_computed_tokens = p.base_tokens + offset - p.base_step
+                cache_full_blocks(p.req)
         self.scheduler.update(out)
         if self.parked:
             self.sink.inter_tokens(duration, self.parked_per_tier)
@@ -305,14 +309,6 @@ class SimReplica:
         self._takes[(s + 2 - tokens) % bs][req] = p  # steps that compute a token at index k x block_size
         self._registers[(s + 1 - tokens) % bs][req] = p  # ... and at index k x block_size - 1
         self._finishes.setdefault(p.last_step, []).append(p)
-
-    def _take_block(self, p: _Parked, step: int) -> None:
-        p.req.num_computed_tokens = p.base_tokens + step - p.base_step - 2
-        self.blocks.grow(p.req, 1)
-
-    def _register_blocks(self, p: _Parked, step: int) -> None:
-        p.req.num_computed_tokens = p.base_tokens + step - p.base_step - 1
-        self.blocks.cache_full_blocks(p.req)
 
     def _finish_parked(self, p: _Parked, step: int, now: float) -> None:
         self._unpark(p, step)

@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Issue 7 part 4 experiments with the fleet simulator (same seed, same numbers).
+
+    python bench/sim_experiments.py capacity   # docs/benchmarks/sim_capacity.md: nodes for 7,000 req/s at peak
+    python bench/sim_experiments.py routing    # docs/benchmarks/sim_routing.md: round-robin / least-loaded / cache-aware
+
+capacity: bench/sim/capacity.yaml (16 nodes of the 70B in FP8 on 8 H100s) at several arrival rates per node; the
+highest rate at which every interactive tier (enterprise, paid, free) keeps TTFT p99 <= --ttft-p99 and inter-token
+latency p99 <= --itl-p99 is what one node sustains; nodes for the design's 7,000 req/s peak = 7,000 / that rate.
+routing: the same fleet at --rate per node under each routing policy: prefix hit rate, TTFT, ITL, throughput.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tokenfleet.sim import config  # noqa: E402
+from tokenfleet.sim.fleet import Fleet  # noqa: E402
+from tokenfleet.sim.report import build_report  # noqa: E402
+
+INTERACTIVE = ("enterprise", "paid", "free")
+PEAK_RPS = 7000
+
+
+def run(raw: dict) -> dict:
+    started = time.process_time()
+    fleet = Fleet(config.parse(raw)).run()
+    report = build_report(fleet, time.process_time() - started)
+    tiers = [report["tiers"][t] for t in INTERACTIVE if t in report["tiers"]]
+    report["worst"] = {"ttft_p99_ms": max(t["ttft_ms"]["p99"] for t in tiers),
+                       "itl_p99_ms": max(t["itl_ms"]["p99"] for t in tiers)}
+    return report
+
+
+def capacity(base: dict, args) -> dict:
+    rows = []
+    for per_node in [float(x) for x in args.rates.split(",")]:
+        raw = copy.deepcopy(base)
+        raw["workload"]["rate"] = per_node * raw["fleet"]["replicas"]
+        r = run(raw)
+        ok = r["worst"]["ttft_p99_ms"] <= args.ttft_p99 * 1000 and r["worst"]["itl_p99_ms"] <= args.itl_p99 * 1000
+        rows.append({"per_node_rps": per_node, "meets_slo": ok, **r["worst"],
+                     "output_tok_s_per_node": r["totals"]["output_tokens_per_s"] / raw["fleet"]["replicas"],
+                     "busy": r["totals"]["replica_busy_share"], "preemptions": r["totals"]["preemptions"],
+                     "prefix_hit_rate": r["totals"]["prefix_hit_rate"]})
+        print(rows[-1], file=sys.stderr)
+    best = max((row for row in rows if row["meets_slo"]), key=lambda row: row["per_node_rps"], default=None)
+    nodes = math.ceil(PEAK_RPS / best["per_node_rps"]) if best else None
+    return {"rows": rows, "best": best, "nodes_for_peak": nodes, "gpus_for_peak": nodes and nodes * 8}
+
+
+def routing(base: dict, args) -> dict:
+    rows = []
+    for policy in ("round_robin", "least_loaded", "cache_aware"):
+        raw = copy.deepcopy(base)
+        raw["workload"]["rate"] = args.rate * raw["fleet"]["replicas"]
+        raw["routing"] = {"policy": policy}
+        r = run(raw)
+        paid = r["tiers"]["paid"]
+        rows.append({"policy": policy, "prefix_hit_rate": r["totals"]["prefix_hit_rate"],
+                     "ttft_p50_ms": paid["ttft_ms"]["p50"], "ttft_p99_ms": r["worst"]["ttft_p99_ms"],
+                     "itl_p99_ms": r["worst"]["itl_p99_ms"], "output_tok_s": r["totals"]["output_tokens_per_s"],
+                     "busy": r["totals"]["replica_busy_share"], "preemptions": r["totals"]["preemptions"]})
+        print(rows[-1], file=sys.stderr)
+    return {"rows": rows}
+
+
+def render_capacity(result: dict, args, head: list[str]) -> str:
+    lines = head + [f"SLO for every interactive tier: TTFT p99 <= {args.ttft_p99:g} s, inter-token latency p99 <= "
+                    f"{args.itl_p99:g} s.", "",
+                    "| req/s per node | meets SLO | worst TTFT p99 (ms) | worst ITL p99 (ms) | output tok/s per node | "
+                    "busy | preemptions | prefix hit rate |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['per_node_rps']:g} | {'yes' if r['meets_slo'] else 'no'} | {r['ttft_p99_ms']:.0f} | "
+                     f"{r['itl_p99_ms']:.1f} | {r['output_tok_s_per_node']:.0f} | {r['busy']:.0%} | "
+                     f"{r['preemptions']} | {r['prefix_hit_rate']:.1%} |")
+    best = result["best"]
+    if best:
+        lines += ["", f"One node sustains **{best['per_node_rps']:g} req/s** ({best['output_tok_s_per_node']:.0f} "
+                  f"output tokens/s) within the SLO, so the design's peak of {PEAK_RPS:,} req/s needs "
+                  f"**{result['nodes_for_peak']} nodes ({result['gpus_for_peak']:,} GPUs)**, against the design's "
+                  "estimate of about 190 nodes (from an assumed 15,000 output tokens/s per node)."]
+    return "\n".join(lines) + "\n"
+
+
+def render_routing(result: dict, args, head: list[str]) -> str:
+    lines = head + [f"{args.rate:g} req/s per node.", "",
+                    "| policy | prefix hit rate | paid TTFT p50 (ms) | worst TTFT p99 (ms) | worst ITL p99 (ms) | "
+                    "output tok/s | busy | preemptions |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['policy']} | {r['prefix_hit_rate']:.1%} | {r['ttft_p50_ms']:.0f} | "
+                     f"{r['ttft_p99_ms']:.0f} | {r['itl_p99_ms']:.1f} | {r['output_tok_s']:.0f} | {r['busy']:.0%} | "
+                     f"{r['preemptions']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("experiment", choices=("capacity", "routing"))
+    p.add_argument("--config", default="bench/sim/capacity.yaml")
+    p.add_argument("--rates", default="20,25,30,35,40", help="capacity: arrival rates per node, req/s")
+    p.add_argument("--rate", type=float, default=30.0, help="routing: arrival rate per node, req/s")
+    p.add_argument("--ttft-p99", type=float, default=2.0)
+    p.add_argument("--itl-p99", type=float, default=0.1)
+    p.add_argument("--out", default=None, help="default: docs/benchmarks/sim_EXPERIMENT.md ('' prints only)")
+    args = p.parse_args()
+    base = yaml.safe_load((ROOT / args.config).read_text())
+    result = capacity(base, args) if args.experiment == "capacity" else routing(base, args)
+    head = [f"# Simulator experiment: {args.experiment}", "",
+            f"`python {' '.join(sys.argv)}` ({time.strftime('%Y-%m-%d')}), base config `{args.config}`: "
+            f"{base['fleet']}, {base['duration_s']} s of arrivals after a {base['warmup_s']} s warm-up, seed "
+            f"{base['seed']}.", ""]
+    text = (render_capacity if args.experiment == "capacity" else render_routing)(result, args, head)
+    print(text)
+    out = f"docs/benchmarks/sim_{args.experiment}.md" if args.out is None else args.out
+    if out:
+        (ROOT / out).write_text(text)
+        (ROOT / out).with_suffix(".json").write_text(json.dumps({"args": vars(args), **result}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -101,19 +101,26 @@ def calibrate(model: Path, args) -> tuple:
 
 
 def validate(model: Path, args, rate: float, coefficients, spec, vocab: int) -> dict:
+    """The real engine `repeats` times (fresh each time; an offline batch once: its schedule does not depend on
+    time), against one simulation. `real` is the mean of the repeats; `spread` how far apart they were."""
     arrivals = workload(args.seed, args.requests, rate, vocab)
-    engine = fresh_engine(model, args)
     probe = CpuProbe() if CpuProbe else None
     if probe:
         probe.start()
     started = time.perf_counter()
-    measured = replay(engine, arrivals, CLOCK)
-    real = summarize(measured)
+    repeats, batches, durations = [], [], []
+    for _ in range(1 if rate == float("inf") else args.repeats):
+        measured = replay(fresh_engine(model, args), arrivals, CLOCK)
+        repeats.append(summarize(measured))
+        batches, durations = batches + measured.batches, durations + measured.durations
     others = probe.stop(time.perf_counter() - started) if probe else None
-    step_fit = fit_error(coefficients, measured.batches, measured.durations)
+    real = {k: statistics.fmean(r[k] for r in repeats) for k in repeats[0]}
+    spread = {k: (max(r[k] for r in repeats) - min(r[k] for r in repeats)) / real[k] if real[k] else 0.0
+              for k in real}
     sim = summarize(simulate(arrivals, spec, CostModel(coefficients)))
-    return {"rate": rate, "real": real, "sim": sim, "error": compare(real, sim), "other_cpu_share": others,
-            "step_fit": step_fit}
+    return {"rate": rate, "real": real, "repeats": repeats, "spread": spread, "sim": sim,
+            "error": compare(real, sim), "other_cpu_share": others,
+            "step_fit": fit_error(coefficients, batches, durations)}
 
 
 def render(result: dict) -> str:
@@ -124,11 +131,13 @@ def render(result: dict) -> str:
              f"{result['calibration_steps']} measured steps of two separate workloads (an offline batch and "
              f"{result['calibration_rate']:g} req/s, other seeds). The real engine's clock: {result['clock']}.", "",
              "```", json.dumps(result["coefficients"], indent=1), "```", "",
-             "| rate (req/s) | metric | real engine | simulator | difference |", "|---:|---|---:|---:|---:|"]
+             "| rate (req/s) | metric | real engine (mean of runs) | real runs' spread | simulator | difference |",
+             "|---:|---|---:|---:|---:|---:|"]
     for run in result["runs"]:
         for key in ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "throughput_tok_s", "preemptions"):
             real, sim, err = run["real"][key], run["sim"][key], run["error"][key]
-            lines.append(f"| {run['rate']:g} | {key} | {real:.4g} | {sim:.4g} | {err:+.1%} |")
+            spread = f"{run['spread'][key]:.0%} ({len(run['repeats'])} runs)" if len(run["repeats"]) > 1 else "-"
+            lines.append(f"| {run['rate']:g} | {key} | {real:.4g} | {spread} | {sim:.4g} | {err:+.1%} |")
     lines += ["", "Step-time model on each validation run's measured steps (mean absolute relative error per step; "
               "predicted / measured total): " + "; ".join(
                   f"{r['rate']:g} req/s: {r['step_fit']['mean_abs_rel_error']:.1%}, "
@@ -144,13 +153,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="medium")
     p.add_argument("--requests", type=int, default=150)
-    p.add_argument("--rates", default="inf,0.8,1.5", help="validation arrival rates, requests/s (inf: an offline batch)")
+    p.add_argument("--rates", default="inf,1.2", help="validation arrival rates, requests/s (inf: an offline batch)")
     p.add_argument("--calibration-requests", type=int, default=60)
     p.add_argument("--calibration-rate", type=float, default=1.2)
     p.add_argument("--kv-cache-gib", type=float, default=0.04)
     p.add_argument("--swap-space-gib", type=float, default=0.01)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=3, help="real-engine runs per Poisson rate (their mean is compared)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="docs/benchmarks/simulator_validation.md")
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",

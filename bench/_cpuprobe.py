@@ -8,8 +8,9 @@ _vllm_worker.py inside the vLLM venv.)
 someone else's work competed with the benchmark.  Linux only; returns None elsewhere.
 
 Servers the benchmark drives but did not start (a database's backend processes, redis-server) count as its own when
-their pids are given: probe.start(pids); ...; probe.stop(wall_s, pids).  A pid given only to stop() counts from 0
-(it started meanwhile); the CPU of one that exited during the window is lost (counted as others').
+their pids are given: probe.start(pids); ...; probe.stop(wall_s, pids); their CPU seconds are then in
+probe.pids_cpu_s.  A pid given only to stop() counts from 0 (it started meanwhile); the CPU of one that exited during
+the window is lost (counted as others').
 """
 
 import os
@@ -53,6 +54,7 @@ class CpuProbe:
     def __init__(self) -> None:
         self._start = None
         self._extra = {}
+        self.pids_cpu_s = None
 
     def start(self, pids=()) -> None:
         try:
@@ -67,7 +69,9 @@ class CpuProbe:
         try:
             busy = _machine_busy_ticks() - self._start[0]
             own = _tree_ticks(os.getpid()) - self._start[1]
-            own += sum(max(0, _tree_ticks(pid) - self._extra.get(pid, 0)) for pid in set(pids) | set(self._extra))
+            extra = sum(max(0, _tree_ticks(pid) - self._extra.get(pid, 0)) for pid in set(pids) | set(self._extra))
         except (OSError, ValueError, IndexError):
             return None
+        self.pids_cpu_s = extra / _HZ  # CPU seconds the given pids used in the window
+        own += extra
         return max(0.0, (busy - own) / _HZ / (wall_s * (os.cpu_count() or 1)))

@@ -15,19 +15,28 @@ WarehouseWriter, with the gateway's default settings.
 Part `pipeline`, per backend, each stage --repeats times on empty tables and an empty log (medians reported):
   floor                  --events empty transactions (a session, BEGIN, SELECT 1, COMMIT) by --writers concurrent
                          coroutines: what any one-transaction write costs before it writes anything.
-  outbox (open + close)  --events usage events written by --writers concurrent coroutines the way the gateway's
-                         recorder does it: Outbox.open at request start, Outbox.close at its end (two short
-                         transactions per event). Events/s, and p50/p99 of one event's two writes.
-  outbox (close only)    the same with Outbox.close alone (one transaction per event).
+  Outbox.close alone     --events Outbox.close calls by --writers coroutines (a row nobody opened: UPDATE finds
+                         nothing, INSERT; one transaction). Events/s and p50/p99 of one call.
+  recorder               --events requests through the gateway's UsageRecorder: all started (Outbox.open of each,
+                         as the recorder schedules them: at most max_writes in flight, default 4), then all
+                         finished (Outbox.close of each): two transactions per request, timed until every write is
+                         done (UsageRecorder.flush). Failed writes (the recorder's warnings) are counted.
+  recorder, pool         the same with max_writes=15: as many writes in flight as the database pool has connections,
+                         overflow included (what the recorder did before max_writes when 6-15 writes met).
+  recorder, unbounded    the same with max_writes=1,000,000: every write at once, as before max_writes existed.
+  recorder burst         each request started and finished at once, as in an overloaded gateway: an open still
+                         waiting for its turn when its request ends is skipped, the close inserts the row.
   ship                   --bulk-events closed rows already in the outbox; OutboxShipper.ship_once (batches of 500:
                          read pending, publish, mark sent) until none is pending.
   warehouse              --bulk-events entries already in the log; WarehouseWriter.drain_once (read 500, insert with
                          ON CONFLICT DO NOTHING, ack) until all are written.
-  end to end             the writers of `outbox (open + close)` while OutboxShipper.run and WarehouseWriter.run run
-                         in the same process and event loop (as in a gateway); the clock stops when the writer has
-                         inserted every event. Also: lag (usage_events.created_at - ended_at) at p50/p99, and a
+  end to end             the `recorder` stage (open + close) while OutboxShipper.run and WarehouseWriter.run run
+                         in the same process and event loop (as in a gateway, default settings); the clock stops
+                         when the writer has inserted every event. Also: lag (usage_events.created_at - ended_at,
+                         from each request's end, so it includes waiting behind the other closes) at p50/p99, and a
                          check that the table holds exactly the events written.
-Per run: wall time, this process's CPU time per event, and "other CPU": machine CPU not used by this process, by
+Per run: wall time, this process's CPU time per event, database connections the engine opened (its pool keeps 5,
+and closes overflow connections as they come back), and "other CPU": machine CPU not used by this process, by
 the PostgreSQL backends of the benchmark's database or by redis-server, as a share of all cores (bench/_cpuprobe.py;
 above 10 %, contended).
 
@@ -48,6 +57,7 @@ import argparse
 import asyncio
 import datetime as _dt
 import json
+import logging
 import os
 import shlex
 import statistics
@@ -56,6 +66,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -71,23 +82,30 @@ from served_load import (ADMIN_KEY, SERVED_NAME, PortAllocator, Server, _base_en
                          wait_idle, write_fleet_yaml)
 
 import redis  # noqa: E402
-from sqlalchemy import select, text  # noqa: E402
+from sqlalchemy import event, select, text  # noqa: E402
 
 from tests.store.backends import (POSTGRES_ADMIN_URL, create_postgres_database, database_url,  # noqa: E402
                                   drop_postgres_database)
 from tokenfleet.metering import (MemoryLog, Outbox, OutboxShipper, RedisStreamLog, UsageEvent,  # noqa: E402
                                  WarehouseWriter)
-from tokenfleet.metering.log import EventLog  # noqa: E402
+from tokenfleet.metering.log import EventLog, log as metering_log  # noqa: E402
 from tokenfleet.metering.outbox import OUTBOX  # noqa: E402
+from tokenfleet.metering.recorder import UsageRecorder  # noqa: E402
 from tokenfleet.metering.sql import insert_ignoring  # noqa: E402
 from tokenfleet.store.db import Database  # noqa: E402
 from tokenfleet.store.models import UsageEventRow, utcnow  # noqa: E402
 
-STAGES = ["transaction", "outbox_open_close", "outbox_close", "ship", "warehouse", "end_to_end"]
+STAGES = ["transaction", "outbox_close", "recorder", "recorder_pool", "recorder_unbounded", "recorder_burst", "ship",
+          "warehouse", "end_to_end"]
 STAGE_LABELS = {"transaction": "floor: one empty transaction (SELECT 1) per event",
-                "outbox_open_close": "outbox writes (open + close, as the recorder)",
-                "outbox_close": "outbox writes (close only, one transaction)", "ship": "ship (outbox -> log)",
-                "warehouse": "warehouse writes (log -> usage_events)", "end_to_end": "**end to end**"}
+                "outbox_close": "Outbox.close alone (one transaction per event)",
+                "recorder": "UsageRecorder: open + close of every request (max_writes 4)",
+                "recorder_pool": "the same with max_writes 15 (the pool's 5 + 10 overflow)",
+                "recorder_unbounded": "the same with writes in flight unbounded (as before max_writes)",
+                "recorder_burst": "UsageRecorder: requests that start and end at once (opens skipped)",
+                "ship": "ship (outbox -> log)", "warehouse": "warehouse writes (log -> usage_events)",
+                "end_to_end": "**end to end**"}
+RECORDER_WRITES = {"recorder_pool": 15, "recorder_unbounded": 1_000_000}  # max_writes other than the default
 BACKEND_LABELS = {"embedded": "embedded: SQLite + MemoryLog + SQLite",
                   "fleet": "fleet: PostgreSQL + Redis Stream + PostgreSQL"}
 SYSTEM_LABELS = {"serve": "tokenfleet serve (embedded: SQLite, MemoryLog)",
@@ -135,29 +153,15 @@ class Backend:
         async with Database(self.postgres_url) as db:
             await empty_usage_tables(db)
 
-    async def server_pids(self, db: Database | None = None) -> list[int]:
-        """The PostgreSQL backends serving the benchmark's database, and redis-server: their CPU is the
-        benchmark's. (redis-server also serves anyone else using it meanwhile.)"""
+    async def server_pids(self, db: Database) -> list[int]:
+        """The PostgreSQL backends serving the benchmark's database (`db` is one of its clients), and
+        redis-server: their CPU is the benchmark's. (redis-server also serves anyone else using it meanwhile.)"""
         if self.kind == "embedded":
             return []
         query = text("SELECT pid FROM pg_stat_activity WHERE datname = current_database()")
-        async with (Database(self.postgres_url) if db is None else _borrowed(db)) as database:
-            async with database.session() as session:
-                pids = list((await session.execute(query)).scalars())
+        async with db.session() as session:
+            pids = list((await session.execute(query)).scalars())
         return pids + [int(redis.Redis.from_url(self.redis_url).info("server")["process_id"])]
-
-
-class _borrowed:
-    """`async with` over a database someone else closes."""
-
-    def __init__(self, db: Database) -> None:
-        self.db = db
-
-    async def __aenter__(self) -> Database:
-        return self.db
-
-    async def __aexit__(self, *exc: object) -> None:
-        pass
 
 
 async def empty_usage_tables(db: Database) -> None:
@@ -202,32 +206,64 @@ def latency_fields(latencies: list[float]) -> dict:
             "write_max_ms": 1e3 * max(latencies)}
 
 
-async def write_events(outbox: Outbox, tag: str, events: int, writers: int, open_first: bool
-                       ) -> tuple[list[float], dict[str, int]]:
-    """Each event's open + close (or close), and the failed writes by error. A failure is handled as
-    UsageRecorder does: a failed open is left (the close inserts the row), a failed close is tried again (here
-    after 0.1 s)."""
+async def close_events(outbox: Outbox, tag: str, events: int, writers: int) -> tuple[list[float], dict[str, int]]:
+    """Outbox.close of each event (a row nobody opened: UPDATE, then INSERT), and the failed writes by error. A
+    failed close is tried again after 0.1 s, as UsageRecorder would later."""
     errors: dict[str, int] = {}
-    lease = timedelta(seconds=30)
 
-    def failed(e: Exception) -> None:
-        name = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
-        errors[name] = errors.get(name, 0) + 1
-
-    async def write(i: int) -> None:
-        if open_first:
-            try:
-                await outbox.open(usage_event(tag, i, final=False), utcnow() + lease)
-            except Exception as e:  # noqa: BLE001
-                failed(e)
+    async def close(i: int) -> None:
         while True:
             try:
                 await outbox.close(usage_event(tag, i))
                 return
             except Exception as e:  # noqa: BLE001
-                failed(e)
+                name = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+                errors[name] = errors.get(name, 0) + 1
                 await asyncio.sleep(0.1)
-    return await concurrently(write, events, writers), errors
+    return await concurrently(close, events, writers), errors
+
+
+async def record(recorder: UsageRecorder, tag: str, events: int, burst: bool, deadline_s: float) -> None:
+    """`events` requests through the recorder, returning when every write is done (failed closes retried, as the
+    recorder's own loop does). Not a burst: all start, their opens are written, then all end (two writes per
+    request). A burst: each starts and ends at once, as in an overloaded gateway (an open that never had its turn
+    is skipped: the close inserts the row)."""
+    for i in range(events):
+        opened = usage_event(tag, i, final=False)
+        recorder.started(opened.request_id, lambda opened=opened: opened)
+        if burst:
+            recorder.finished(usage_event(tag, i))
+    if not burst:
+        await recorder.flush()
+        for i in range(events):
+            recorder.finished(usage_event(tag, i))
+    deadline = time.monotonic() + deadline_s
+    await recorder.flush()
+    while recorder.unsaved and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+        await recorder.flush()
+
+
+class WarningCount(logging.Handler):
+    """Counts the metering log's warnings (failed writes the recorder retries or leaves to the close)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.count: dict[str, int] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        error = record.args[-1] if isinstance(record.args, tuple) and record.args else None
+        key = str(record.msg).split(" %s")[0]  # e.g. "usage outbox: could not close", without the request id
+        if isinstance(error, BaseException):
+            key += f": {type(error).__name__}: {str(error).splitlines()[0][:80] if str(error) else ''}"
+        self.count[key] = self.count.get(key, 0) + 1
+
+    def __enter__(self) -> "WarningCount":
+        metering_log.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        metering_log.removeHandler(self)
 
 
 async def fill_outbox(db: Database, tag: str, events: int) -> None:
@@ -243,12 +279,23 @@ async def fill_log(log: EventLog, tag: str, events: int) -> None:
         await log.publish([usage_event(tag, i) for i in range(start, min(events, start + 500))])
 
 
-async def stage_outbox(db: Database, log: EventLog, tag: str, n: int, args, open_first: bool) -> Callable:
+async def stage_outbox_close(db: Database, log: EventLog, tag: str, n: int, args) -> Callable:
     outbox = Outbox(db)
 
     async def work() -> dict:
-        latencies, errors = await write_events(outbox, tag, n, args.writers, open_first)
+        latencies, errors = await close_events(outbox, tag, n, args.writers)
         return latency_fields(latencies) | {"write_errors": errors}
+    return work
+
+
+async def stage_recorder(db: Database, log: EventLog, tag: str, n: int, args, burst: bool, options: dict
+                         ) -> Callable:
+    recorder = UsageRecorder(Outbox(db), **options)
+
+    async def work() -> dict:
+        with WarningCount() as warnings:
+            await record(recorder, tag, n, burst, args.drain_timeout)
+        return {"write_errors": warnings.count, "unsaved": len(recorder.unsaved)}
     return work
 
 
@@ -288,13 +335,15 @@ async def stage_warehouse(db: Database, log: EventLog, tag: str, n: int, args) -
 
 async def stage_end_to_end(db: Database, log: EventLog, tag: str, n: int, args) -> Callable:
     outbox = Outbox(db)
+    recorder = UsageRecorder(outbox)
     shipper, writer = OutboxShipper(outbox, log), WarehouseWriter(db, log, "bench-writer")
 
     async def work() -> dict:
         services = [asyncio.create_task(shipper.run()), asyncio.create_task(writer.run())]
         start = time.perf_counter()
         try:
-            _, errors = await write_events(outbox, tag, n, args.writers, open_first=True)
+            with WarningCount() as warnings:
+                await record(recorder, tag, n, False, args.drain_timeout)
             written_s = time.perf_counter() - start
             deadline = time.monotonic() + args.drain_timeout
             while writer.written < n and time.monotonic() < deadline:
@@ -305,7 +354,7 @@ async def stage_end_to_end(db: Database, log: EventLog, tag: str, n: int, args) 
             await asyncio.gather(*services, return_exceptions=True)
         tail = time.perf_counter() - start - written_s  # after the last outbox write, until the last row
         return {"outbox_s": written_s, "tail_s": tail, "written": writer.written, "duplicates": writer.duplicates,
-                "write_errors": errors}
+                "write_errors": warnings.count}
     return work
 
 
@@ -324,12 +373,17 @@ async def run_stage(backend: Backend, stage: str, rep: int, args) -> dict:
     try:
         if stage == "transaction":
             work = await stage_transaction(db, n, args)
-        elif stage.startswith("outbox"):
-            work = await stage_outbox(db, log, tag, n, args, open_first=stage == "outbox_open_close")
+        elif stage.startswith("recorder"):
+            work = await stage_recorder(db, log, tag, n, args, stage == "recorder_burst",
+                                        {"max_writes": RECORDER_WRITES[stage]} if stage in RECORDER_WRITES else {})
+        elif stage == "outbox_close":
+            work = await stage_outbox_close(db, log, tag, n, args)
         else:
             work = await {"ship": stage_ship, "warehouse": stage_warehouse,
                           "end_to_end": stage_end_to_end}[stage](db, log, tag, n, args)
+        connects = connections_opened(db)
         result = await timed(work, lambda: backend.server_pids(db))
+        result["connections_opened"] = connects[0]
         if stage == "end_to_end":
             await check_end_to_end(db, result, n)
     finally:
@@ -338,8 +392,19 @@ async def run_stage(backend: Backend, stage: str, rep: int, args) -> dict:
         await log.close()
         await db.close()
     result.update(stage=stage, rep=rep, events=n, per_s=n / result["wall_s"],
-                  cpu_us_per_event=1e6 * result["process_cpu_s"] / n)
+                  cpu_us_per_event=1e6 * result["process_cpu_s"] / n,
+                  server_cpu_us_per_event=1e6 * (result["server_cpu_s"] or 0) / n)
     return result
+
+
+def connections_opened(db: Database) -> list[int]:
+    """A counter of the database connections the engine opens from now on."""
+    count = [0]
+
+    def opened(*_: object) -> None:
+        count[0] += 1
+    event.listen(db.engine.sync_engine, "connect", opened)
+    return count
 
 
 async def timed(work: Callable[[], Awaitable[dict]], pids: Callable[[], Awaitable[list[int]]]) -> dict:
@@ -351,6 +416,7 @@ async def timed(work: Callable[[], Awaitable[dict]], pids: Callable[[], Awaitabl
     wall = time.perf_counter() - start
     result.update(wall_s=wall, process_cpu_s=time.process_time() - cpu)
     result["others_cpu"] = probe.stop(wall, await pids())
+    result["server_cpu_s"] = probe.pids_cpu_s
     return result
 
 
@@ -381,6 +447,7 @@ def pipeline_part(backend: Backend, args) -> list[dict]:
         rows.append(median_row(runs) | {"cpu_busy_before": busy, "raw": runs})
         r = rows[-1]
         print(f"[{backend.kind}] {stage}: {r['per_s']:.0f} events/s (runs {r['per_s_each']}), "
+              f"{r['connections_opened']:.0f} connections opened, "
               f"{r['cpu_us_per_event']:.0f} us CPU/event in this process, other CPU {r['others_cpu_each']}"
               + (f", lag p50/p99 {r['lag_p50_ms']:.0f}/{r['lag_p99_ms']:.0f} ms, exactly once: {r['exact']}"
                  if stage == "end_to_end" else "")
@@ -466,9 +533,8 @@ def account(rows: list[dict], sent: list[dict]) -> dict:
     by_id = {r["request_id"]: r for r in rows}
     client_tokens = sum(r["output_tokens"] for r in sent if r["ok"])
     return {"sent": len(sent), "without_id": ids.count(None), "missing": len(set(ids) - set(by_id) - {None}),
-            "extra": len(set(by_id) - set(ids)), "doubled": len(ids) - len(set(ids)),
-            "statuses": dict(sorted({s: sum(1 for r in rows if r["status"] == s)
-                                     for s in {r["status"] for r in rows}}.items())),
+            "extra": len(set(by_id) - set(ids)), "doubled": len(ids) - len(set(ids)),  # one id for two requests
+            "statuses": dict(sorted(Counter(r["status"] for r in rows).items())),
             "output_tokens_client": client_tokens,
             "output_tokens_warehouse": sum(by_id[i]["output_tokens"] for i in ids if i in by_id)}
 
@@ -519,7 +585,13 @@ def run_lag_system(system: str, args, sargs, model_dir: Path, wl: dict, run_dir:
 
 def server_pids(system: str, backend: Backend | None) -> list[int]:
     """The gateway's PostgreSQL backends and redis-server (`tokenfleet serve` is all in the benchmark's tree)."""
-    return asyncio.run(backend.server_pids()) if system == "gateway" else []
+    if system != "gateway":
+        return []
+
+    async def pids() -> list[int]:
+        async with Database(backend.postgres_url) as db:
+            return await backend.server_pids(db)
+    return asyncio.run(pids())
 
 
 def lag_part(args, backend: Backend | None, run_dir: Path) -> tuple[list[dict], dict]:
@@ -620,20 +692,31 @@ def contention(rep: dict) -> str:
 
 def pipeline_section(rep: dict, a: dict) -> list[str]:
     L = ["## Events per second through outbox → log → warehouse", "",
-         f"{a['events']} events per run ({a['bulk_events']} for ship and warehouse), {a['writers']} concurrent "
-         f"outbox writers, medians of {a['repeats']} runs (each "
-         "on empty tables and an empty log), one Python process. \"CPU/event\" = this process's CPU time per event "
-         "(the databases' and Redis' own CPU not included); \"other CPU\" = CPU used by processes that are not "
-         "part of the benchmark, share of both cores, per run.", "",
-         "| backend | stage | events/s (median) | runs | CPU/event µs | write p50 / p99 ms | lag p50 / p99 ms | "
-         "other CPU |", "|---|---|---:|---|---:|---:|---:|---|"]
+         f"{a['events']} events per run ({a['bulk_events']} for ship and warehouse; the floor and Outbox.close "
+         f"with {a['writers']} concurrent writers), medians of {a['repeats']} runs (each on empty tables and an "
+         "empty log), one Python process. \"CPU/event\" = CPU time per event of this process (SQLite included: it "
+         "runs in the process) + of the servers (the PostgreSQL backends of the benchmark's connections and "
+         "redis-server; a backend that exits during the run, i.e. a connection the pool closed, is not counted); "
+         "\"per CPU-second\" = events per second of that CPU, a rate that does not depend on what else the machine "
+         "runs. \"Other CPU\" = CPU used by processes that are not part of the benchmark, share of both cores, per "
+         "run.", "",
+         "| backend | stage | events/s (median) | runs | CPU/event µs (process + servers) | events per CPU-second | "
+         "write p50 / p99 ms | lag p50 / p99 ms | connections opened | failed writes (retried) | other CPU |",
+         "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     for kind, rows in rep["pipeline"].items():
         for r in rows:
             write = (f"{r['write_p50_ms']:.1f} / {r['write_p99_ms']:.1f}" if "write_p50_ms" in r else "")
             lag = f"{r['lag_p50_ms']:.0f} / {r['lag_p99_ms']:.0f}" if "lag_p50_ms" in r else ""
+            failed = sum(r["write_errors"].values()) if "write_errors" in r else ""
+            server = r.get("server_cpu_us_per_event") or 0
+            cpu = _num(r["cpu_us_per_event"]) + (f" + {_num(server)}" if kind == "fleet" else "")
             L.append(f"| {BACKEND_LABELS[kind]} | {STAGE_LABELS[r['stage']]} | **{_num(r['per_s'])}** | "
-                     f"{', '.join(map(str, r['per_s_each']))} | {_num(r['cpu_us_per_event'])} | {write} | {lag} | "
+                     f"{', '.join(map(str, r['per_s_each']))} | {cpu} | {_num(1e6 / (r['cpu_us_per_event'] + server))}"
+                     f" | {write} | {lag} | {_num(r.get('connections_opened'))} | {failed} | "
                      f"{', '.join(_pc(x) for x in r['others_cpu_each'])} |")
+    errors = sorted({e for rows in rep["pipeline"].values() for r in rows for e in r.get("write_errors", {})})
+    if errors:
+        L += ["", "Failed writes were: " + "; ".join(f"`{e}`" for e in errors) + "."]
     checks = [f"{BACKEND_LABELS[k]}: {'every run' if r.get('exact') else 'NOT every run'}"
               for k, rows in rep["pipeline"].items() for r in rows if r["stage"] == "end_to_end"]
     if checks:
@@ -664,8 +747,10 @@ def lag_section(rep: dict, a: dict) -> list[str]:
     L += ["", "Every request accounted for (warehouse rows matched to the client's x-request-id):", ""]
     for s in rep["lag"]:
         o = s["overall"]
-        L.append(f"- {s['label']}: {o['sent']} requests sent, {o['rows']} rows; missing {o['missing']}, extra "
-                 f"{o['extra']}, doubled {o['doubled']}, responses without an id {o['without_id']}; statuses "
+        L.append(f"- {s['label']}: {o['sent']} requests sent, {o['rows']} rows (request_id is the table's key: "
+                 f"a second row for a request cannot exist); requests without a row {o['missing']}, rows of no "
+                 f"request sent {o['extra']}, one id given to two requests {o['doubled']}, responses without an id "
+                 f"{o['without_id']}; statuses "
                  f"{o['statuses']}; output tokens {o['output_tokens_warehouse']} in the warehouse vs "
                  f"{o['output_tokens_client']} reported to the client. Commands: "
                  + "; ".join(f"`{cmd}`" for cmd in s["commands"]) + ".")
@@ -680,7 +765,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stages", default=",".join(STAGES), help=f"pipeline stages, from {STAGES}")
     p.add_argument("--events", type=int, default=1000, help="events per run of the outbox and end-to-end stages")
     p.add_argument("--bulk-events", type=int, default=5000, help="events per run of the ship and warehouse stages")
-    p.add_argument("--writers", type=int, default=32, help="concurrent outbox writers")
+    p.add_argument("--writers", type=int, default=4,
+                   help="concurrent writers of the floor and close-only stages (UsageRecorder's max_writes)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--drain-timeout", type=float, default=120.0, help="longest wait for the warehouse to catch up")
     p.add_argument("--systems", default="serve,gateway", help="lag part: serve,gateway")

@@ -57,13 +57,13 @@ class _Connection(asyncio.Protocol):
 
     def reset(self) -> None:
         self.parser = httptools.HttpResponseParser(self)
-        self.pieces: deque[bytes] = deque()
+        self.pieces: list[bytes] = []  # not a deque: that preallocates a block per idle connection
         self.status, self.received, self.sized = 0, False, False
         self.headers_done = self.complete = self.keep_alive = False
         self.error: UpstreamError | None = None
 
-    def send(self, request: bytes) -> None:
-        self.transport.write(request)
+    def send(self, head: bytes, body: bytes) -> None:
+        self.transport.writelines((head, body))
 
     def close(self) -> None:
         if self.transport is not None:
@@ -145,7 +145,7 @@ class _Connection(asyncio.Protocol):
             self.waiter = None
 
     def take(self) -> bytes:
-        data = self.pieces.popleft() if len(self.pieces) == 1 else b"".join(self.pieces)
+        data = self.pieces[0] if len(self.pieces) == 1 else b"".join(self.pieces)
         self.pieces.clear()
         if self.paused and not self.lost:
             self.paused = False
@@ -221,26 +221,25 @@ class StreamClient:
         while self._idle:
             self._idle.pop().close()
 
-    def _request(self, path: str, body: bytes) -> bytes:
-        head = f"POST {self.prefix}{path} HTTP/1.1\r\n{self._head}Content-Length: {len(body)}\r\n\r\n"
-        return head.encode("latin-1") + body
+    def _request_head(self, path: str, body: bytes) -> bytes:
+        return f"POST {self.prefix}{path} HTTP/1.1\r\n{self._head}Content-Length: {len(body)}\r\n\r\n".encode("latin-1")
 
     async def _exchange(self, path: str, body: bytes) -> _Connection:
         """Sends the request and waits for the response's headers. A reused connection that turns out to have been
         closed by the server before it answered anything is retried once on a new connection."""
-        request = self._request(path, body)
+        head = self._request_head(path, body)
         connection = self._reusable()
         if connection is not None:
             try:
-                return await self._send(connection, request)
+                return await self._send(connection, head, body)
             except UpstreamClosed:
                 if connection.received:
                     raise
-        return await self._send(await self._connect(), request)
+        return await self._send(await self._connect(), head, body)
 
-    async def _send(self, connection: _Connection, request: bytes) -> _Connection:
+    async def _send(self, connection: _Connection, head: bytes, body: bytes) -> _Connection:
         try:
-            connection.send(request)
+            connection.send(head, body)
             while not connection.headers_done:
                 if connection.error is not None:
                     raise connection.error

@@ -99,6 +99,7 @@ class SimReplica:
         self._registers: list[dict[Request, _Parked]] = [{} for _ in range(spec.block_size)]
         self._finishes: dict[int, list[_Parked]] = {}
         self._configs: dict[int, SchedulerConfig] = {}
+        self._params: dict[int, SamplingParams] = {}
         self._aborts: list[SimRequest] = []
         self._step: tuple[int, SchedulerOutput, list, float] | None = None
 
@@ -114,7 +115,10 @@ class SimReplica:
             self._begin_step()
 
     def add(self, sreq: SimRequest) -> None:
-        params = SamplingParams(max_tokens=sreq.max_tokens, ignore_eos=True, detokenize=False)
+        params = self._params.get(sreq.max_tokens)  # the engine never changes a request's params: share them
+        if params is None:
+            params = self._params[sreq.max_tokens] = SamplingParams(max_tokens=sreq.max_tokens, ignore_eos=True,
+                                                                    detokenize=False)
         req = Request(sreq.rid, sreq.prompt, params, priority=sreq.priority, arrival_time=sreq.arrival)
         req.block_hashes = sreq.hashes  # known keys (the answer is predetermined): the sim does not hash twice
         req.sim = sreq  # type: ignore[attr-defined]

@@ -77,6 +77,15 @@ class CostModel:
         return (c.overhead_s + c.per_sequence_s * batch.sequences + core + c.allreduce_per_step_s
                 + c.allreduce_per_token_s * batch.tokens + c.swap_per_block_s * batch.swapped_blocks)
 
+    def decode_time(self, sequences: int, contexts: int) -> float:
+        """step_time of a step of `sequences` decodes attending to `contexts` tokens in all (the hot path)."""
+        c = self.c
+        compute = c.per_token_s * sequences + c.per_attention_pair_s * contexts
+        memory = c.weights_s + c.per_kv_token_s * contexts
+        core = (compute if compute > memory else memory) if c.combine == "max" else compute + memory
+        return (c.overhead_s + c.per_sequence_s * sequences + core + c.allreduce_per_step_s
+                + c.allreduce_per_token_s * sequences)
+
     def decode_step_time(self, batch_size: int, context: int) -> float:
         """One all-decode step: batch_size sequences, each with `context` tokens before the new one."""
         batch = StepBatch()

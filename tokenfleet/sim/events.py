@@ -29,7 +29,8 @@ class EventQueue:
         heapq.heappush(self._heap, (max(when, self.clock.now), self._seq, callback, args))
 
     def after(self, delay: float, callback: Callable, *args) -> None:
-        self.at(self.clock.now + delay, callback, *args)
+        self._seq += 1
+        heapq.heappush(self._heap, (self.clock.now + max(delay, 0.0), self._seq, callback, args))
 
     def next_time(self) -> float | None:
         return self._heap[0][0] if self._heap else None

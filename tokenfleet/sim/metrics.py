@@ -11,7 +11,13 @@ BIN = math.log(1.01)  # histogram bins 1% wide
 
 
 def bin_index(value: float) -> int:
-    return int(math.log(value) / BIN) if value > 1e-9 else -2100
+    """The bin i with exp(i x BIN) <= value < exp((i + 1) x BIN): the bounds decide, not the rounding of the log."""
+    if value <= 1e-9:
+        return -2100
+    index = int(math.floor(math.log(value) / BIN))
+    if value < math.exp(index * BIN):
+        return index - 1
+    return index + 1 if value >= math.exp((index + 1) * BIN) else index
 
 
 class LogHistogram:
@@ -83,6 +89,7 @@ class Metrics:
     def __init__(self, slo: Slo, since: float = 0.0) -> None:
         self.slo, self.since = slo, since  # requests arriving before `since` (warm-up) are not counted
         self.tiers: dict[str, TierMetrics] = {}
+        self._last_bin = (0.0, 0.0, 0)  # [low, high) of the last inter-token bin, and its index
 
     def tier(self, name: str) -> TierMetrics:
         m = self.tiers.get(name)
@@ -129,7 +136,15 @@ class Metrics:
         self.tier(tier).itl.add(gap, count)
 
     def inter_tokens(self, gap: float, per_tier: dict[str, int]) -> None:
-        index = bin_index(gap)
+        """One step's gap for many decodes (the hot path: one call per replica step)."""
+        low, high, index = self._last_bin
+        if not low <= gap < high or gap <= 1e-9:  # consecutive steps mostly share a 1% bin: no logarithm then
+            index = bin_index(gap)
+            self._last_bin = (math.exp(index * BIN), math.exp((index + 1) * BIN), index)
+        tiers = self.tiers
         for tier, count in per_tier.items():
             if count:
-                self.tier(tier).itl.add_at(index, gap, count)
+                hist = tiers[tier].itl if tier in tiers else self.tier(tier).itl
+                hist.bins[index] = hist.bins.get(index, 0) + count
+                hist.count += count
+                hist.total += gap * count

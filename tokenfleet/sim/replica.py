@@ -171,8 +171,12 @@ class SimReplica:
                 p.req.num_computed_tokens = p.base_tokens + offset - p.base_step
                 grow(p.req, 1)
         out = self._schedule()
-        duration = self.cost.step_time(self._batch(out, s))
-        sampling = [c for c in out.chunks if c.samples]
+        if out.chunks or out.swap_in or out.swap_out or not self.parked:
+            duration = self.cost.step_time(self._batch(out, s))
+        else:  # only parked decodes: the same arithmetic without building the batch
+            n = len(self.parked)
+            duration = self.cost.decode_time(n, self._position_sum_base + n * s + n)
+        sampling = [c for c in out.chunks if c.samples] if out.chunks else out.chunks
         self._step = (s, out, sampling, duration)
         self.busy = True
         self.steps += 1

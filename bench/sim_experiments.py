@@ -2,7 +2,7 @@
 """Issue 7 part 4 experiments with the fleet simulator (same seed, same numbers).
 
     python bench/sim_experiments.py capacity   # docs/benchmarks/sim_capacity.md: nodes for 7,000 req/s at peak
-    python bench/sim_experiments.py routing    # docs/benchmarks/sim_routing.md: round-robin / least-loaded / cache-aware
+    python bench/sim_experiments.py routing    # docs/benchmarks/sim_routing.md: the three routing policies
 
 capacity: bench/sim/capacity.yaml (16 nodes of the 70B in FP8 on 8 H100s) at several arrival rates per node; the
 highest rate at which every interactive tier (enterprise, paid, free) keeps TTFT p99 <= --ttft-p99 and inter-token

@@ -72,6 +72,11 @@ class SimGateway:
             self._waiting[sreq] = handle
         return None
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting in the fair queue for a slot."""
+        return len(self._waiting)
+
     def _granted(self, sreq: SimRequest, slot: Slot, on_slot: Callable[[SimRequest], None]) -> None:
         self._waiting.pop(sreq, None)
         sreq.slot, sreq.admitted = slot, self.clock.now

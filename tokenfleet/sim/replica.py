@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from tokenfleet.engine.kv_blocks import KVBlockManager
-from tokenfleet.engine.request import Request, RequestStatus, SamplingParams
+from tokenfleet.engine.request import Request, SamplingParams
 from tokenfleet.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tokenfleet.router.policy import ReplicaState
 from tokenfleet.sim.cost_model import CostModel, StepBatch

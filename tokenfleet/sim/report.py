@@ -49,7 +49,7 @@ def build_report(fleet: Fleet, wall_s: float) -> dict:
                   "duration_s": s.duration_s, "warmup_s": s.warmup_s, "kv_blocks_per_replica": s.spec.num_blocks},
         "totals": {
             "requests_arrived": arrived, "requests_ended": ended, "unfinished_at_end": fleet.in_flight,
-            "queued_at_end": len(fleet.gateway._waiting),
+            "queued_at_end": fleet.gateway.queued,
             "output_tokens_per_s": round(sum(m.output_tokens for m in metrics.tiers.values()) / seconds, 1),
             "prefix_hit_rate": round(cached / prompt, 4) if prompt else None,
             "preemptions": sum(r.scheduler.num_preemptions for r in fleet.replicas),
@@ -70,13 +70,14 @@ def build_report(fleet: Fleet, wall_s: float) -> dict:
 
 def summary(report: dict) -> str:
     s, t = report["setup"], report["totals"]
-    lines = [f"{s.get('model', '?')} on {s['replicas']} replicas ({s.get('gpu', '?')}, TP {s.get('tensor_parallel', '?')}, "
-             f"{s.get('weight_dtype', '?')}), routing {s['policy']}, seed {s['seed']}, {s['duration_s']:g} s simulated",
-             f"requests {t['requests_arrived']} arrived, {t['requests_ended']} ended, {t['unfinished_at_end']} running and "
-             f"{t['queued_at_end']} queued at the end; "
+    lines = [f"{s.get('model', '?')} on {s['replicas']} replicas ({s.get('gpu', '?')}, "
+             f"TP {s.get('tensor_parallel', '?')}, {s.get('weight_dtype', '?')}), routing {s['policy']}, "
+             f"seed {s['seed']}, {s['duration_s']:g} s simulated",
+             f"requests {t['requests_arrived']} arrived, {t['requests_ended']} ended, {t['unfinished_at_end']} "
+             f"running and {t['queued_at_end']} queued at the end; "
              f"{t['output_tokens_per_s']:.0f} output tokens/s; prefix hit rate {t['prefix_hit_rate']}; "
-             f"preemptions {t['preemptions']}; {t['gpu_hours']:.2f} GPU-hours; replicas busy {t['replica_busy_share']:.0%}; "
-             f"overload max level {t['overload_max_level']}",
+             f"preemptions {t['preemptions']}; {t['gpu_hours']:.2f} GPU-hours; "
+             f"replicas busy {t['replica_busy_share']:.0%}; overload max level {t['overload_max_level']}",
              f"{'tier':<11}{'arrived':>8}{'done':>8}{'cancel':>7}{'shed':>6}{'quota':>6}{'delayed':>8}"
              f"{'TTFT p50':>10}{'p99':>9}{'ITL p50':>9}{'p99':>8}{'goodput':>9}{'hit':>6}"]
     for name, r in report["tiers"].items():

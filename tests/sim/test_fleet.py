@@ -64,6 +64,14 @@ def test_the_example_config_is_valid() -> None:
     assert setup.replicas == 8 and setup.workload.bursts
 
 
+def test_a_missing_or_broken_config_file_is_a_clear_error(tmp_path, capsys) -> None:
+    assert main(["simulate", "--config", str(tmp_path / "none.yaml")]) == 2
+    assert "no simulation config" in capsys.readouterr().err
+    (tmp_path / "broken.yaml").write_text("fleet: [unclosed")
+    assert main(["simulate", "--config", str(tmp_path / "broken.yaml")]) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("change, message", [
     ({"workload": {"rate": -5}}, "rate must be positive"),
     ({"fleet": {"model": "llama-70b", "weight_dtype": "fp16", "tensor_parallel": 1}}, "does not fit"),

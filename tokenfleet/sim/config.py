@@ -33,7 +33,10 @@ def load(path: str | Path, seed: int | None = None) -> FleetSetup:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no simulation config at {path}")
-    raw = yaml.safe_load(path.read_text()) or {}
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path} is not valid YAML: {e}") from None
     return parse(raw, seed)
 
 

@@ -43,8 +43,8 @@ def wait_for_level(platform: Platform, level: int, timeout: float = 30.0) -> Non
 
 
 def test_the_ladder_fires_in_order_and_recovers(crowded):
-    pool = ThreadPoolExecutor(8)
-    paid = [pool.submit(ask, client(crowded, "paid"), 120) for _ in range(5)]
+    pool = ThreadPoolExecutor(12)
+    paid = [pool.submit(ask, client(crowded, "paid"), 400) for _ in range(8)]  # a queue that lasts seconds
     wait_for_level(crowded, 4)
     with pytest.raises(openai.RateLimitError) as shed:
         ask(client(crowded, "free"), 4)
@@ -55,7 +55,7 @@ def test_the_ladder_fires_in_order_and_recovers(crowded):
     assert not batch.done() and metric(crowded.base, "tokenfleet_dispatch_tier_paused", tier="batch") == 1
     free = pool.submit(ask, client(crowded, "free", retries=30), 50)  # the SDK retries the 429s by itself
     late_paid = pool.submit(ask, client(crowded, "paid"), 3)  # at the top of the ladder paid still only queues
-    assert all(f.result(timeout=120).usage.completion_tokens == 120 for f in paid), "paid is never shed"
+    assert all(f.result(timeout=120).usage.completion_tokens == 400 for f in paid), "paid is never shed"
     assert late_paid.result(timeout=120).usage.completion_tokens == 3
     assert free.result(timeout=120).usage.completion_tokens in (8, 50), "free capped at level 2, or served whole"
     assert batch.result(timeout=120).usage.completion_tokens == 4, "batch runs once the pause lifts"

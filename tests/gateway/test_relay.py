@@ -151,3 +151,18 @@ def test_buffers_replay_after_an_id_then_follow_live(backend, redis_buffer):
             assert 0 < await client.ttl(redis_buffer + "r1") <= 60
             await client.aclose()
     asyncio.run(scenario())
+
+
+def test_memory_buffer_expires_streams_by_their_last_touch():
+    async def scenario():
+        buffer = MemoryResumeBuffer(ttl_s=0.3)
+        await buffer.open("early", owner="org_a")
+        await buffer.open("late", owner="org_a")
+        await asyncio.sleep(0.2)
+        await buffer.append("early", StreamEvent(1, "e1"))  # touched again: now the newest
+        await asyncio.sleep(0.2)
+        assert await buffer.owner("late") is None, "untouched for longer than the TTL: gone"
+        assert await buffer.owner("early") == "org_a"
+        await buffer.close("early")
+        assert [e.id async for e in buffer.read("early", 0)] == [1]
+    asyncio.run(scenario())

@@ -85,7 +85,10 @@ class Proxy:
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    while data := await reader.read(65536):
-        writer.write(data)
-        await writer.drain()
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except ConnectionError:  # one side reset the link (a cut, or a client giving up): the proxy just closes it
+        pass
     writer.close()

@@ -288,6 +288,7 @@ class FleetConfig:
         routing = routing_from_dict(raw.pop("routing", None), f"{path}: routing")
         config = cls(**raw, **sections, tiers=tiers, models=models, routing=routing)
         config.database_url = os.environ.get("TOKENFLEET_DATABASE_URL", config.database_url)
+        config.redis_url = os.environ.get("TOKENFLEET_REDIS_URL", config.redis_url)  # may hold a password
         config.admin_key = os.environ.get("TOKENFLEET_ADMIN_KEY", config.admin_key)
         config.resume_secret = os.environ.get("TOKENFLEET_RESUME_SECRET", config.resume_secret)
         for name in (*config.overload.batch_tiers, *config.overload.free_tiers):

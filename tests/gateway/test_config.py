@@ -70,3 +70,11 @@ def test_the_multi_model_example_loads_and_its_catalog_resolves():
     assert catalog.resolve("auto", RequestFacts(10, mode="fast")).model.name == "chat-small-2026-10-01"
     assert catalog.resolve("chat-large-2026-06-01", RequestFacts(10)).deprecation is not None
     assert config.served_models()[2].pools[0].kind == "openai"
+
+
+def test_secrets_come_from_the_environment_over_the_file(monkeypatch):
+    monkeypatch.setenv("TOKENFLEET_REDIS_URL", "redis://:s3cret@redis:6379/1")
+    monkeypatch.setenv("TOKENFLEET_DATABASE_URL", "postgresql://app:pw@db/tokenfleet")
+    config = FleetConfig.load(EXAMPLE)
+    assert config.redis_url == "redis://:s3cret@redis:6379/1"
+    assert config.database_url == "postgresql://app:pw@db/tokenfleet"

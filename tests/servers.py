@@ -88,3 +88,16 @@ def abandon_stream(client, model: str, max_tokens: int, after_chunks: int = 3) -
         if i + 1 == after_chunks:
             break
     stream.close()
+
+
+def delete_redis_keys(prefix: str, url: str = "redis://127.0.0.1:6379") -> None:
+    """Removes every Redis key a test created under its own prefix."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        keys = list(client.scan_iter(match=prefix + "*", count=1000))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()

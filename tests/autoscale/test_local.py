@@ -12,11 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-import redis
 import yaml
 
 from tests.gateway.conftest import ADMIN_KEY, MODEL
-from tests.servers import free_port, metric, running_process
+from tests.servers import delete_redis_keys, free_port, metric, running_process
 
 REPLICA_ARGS = ["--kv-cache-gib", "0.05", "--max-model-len", "512"]
 
@@ -51,10 +50,7 @@ def autoscaled(demo_model_dir, tmp_path):
             with pytest.raises(httpx.HTTPError):
                 httpx.get(f"{url}/health", timeout=1)
     finally:
-        client = redis.Redis(host="127.0.0.1", port=6379)
-        keys = list(client.scan_iter(match=prefix + "*"))
-        if keys:
-            client.delete(*keys)
+        delete_redis_keys(prefix)
 
 
 def replicas(fleet) -> list[dict]:

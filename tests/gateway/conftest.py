@@ -9,10 +9,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis
 import yaml
 
-from tests.servers import free_port, running_process
+from tests.servers import delete_redis_keys, free_port, running_process
 from tests.store.backends import create_postgres_database, database_url, drop_postgres_database
 
 MODEL = "tiny"
@@ -85,10 +84,7 @@ def fleet(demo_model_dir, tmp_path_factory):
                                         replicas=[f"http://127.0.0.1:{p}" for p in ports], prefix=prefix,
                                         database_url=database_url(database)))
     finally:
-        client = redis.Redis(host="127.0.0.1", port=6379)
-        keys = list(client.scan_iter(match=prefix + "*"))
-        if keys:
-            client.delete(*keys)
+        delete_redis_keys(prefix)
         drop_postgres_database(database)
 
 

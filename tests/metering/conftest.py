@@ -6,9 +6,9 @@ import uuid
 from typing import Any, Callable
 
 import pytest
-import redis
 
 from tests.metering.helpers import REDIS_URL
+from tests.servers import delete_redis_keys
 from tokenfleet.metering import EventLog, MemoryLog, Outbox, RedisStreamLog
 from tokenfleet.store.db import Database
 
@@ -22,11 +22,7 @@ def outbox(db: Database) -> Outbox:
 def stream_key() -> Any:
     prefix = f"tftest:metering:{uuid.uuid4().hex}:"
     yield prefix + "usage"
-    client = redis.Redis.from_url(REDIS_URL)
-    keys = list(client.scan_iter(match=prefix + "*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
+    delete_redis_keys(prefix)
 
 
 @pytest.fixture

@@ -11,12 +11,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis
 import yaml
 from sqlalchemy import func, select
 
 from tests.gateway.conftest import ADMIN_KEY, MODEL, replica_args
-from tests.servers import free_port, running_process
+from tests.servers import delete_redis_keys, free_port, running_process
 from tests.store.backends import create_postgres_database, database_url, drop_postgres_database
 from tokenfleet.store.db import Database
 from tokenfleet.store.models import UsageEventRow, UsageOutboxRow
@@ -52,10 +51,7 @@ def fleet(model_dir: Path, logs: Path):
                                              f"http://127.0.0.1:{port}/health", logs / f"gateway{n}.log"),
                    port, database_url(database))
     finally:
-        client = redis.Redis(host="127.0.0.1", port=6379)
-        keys = list(client.scan_iter(match=prefix + "*"))
-        if keys:
-            client.delete(*keys)
+        delete_redis_keys(prefix)
         drop_postgres_database(database)
 
 

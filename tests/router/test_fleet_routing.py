@@ -19,7 +19,7 @@ import yaml
 
 from tests.gateway.conftest import ADMIN_KEY, replica_args
 from tests.gateway.test_serve import parse_events
-from tests.servers import free_port, metric, running_process
+from tests.servers import delete_redis_keys, free_port, metric, running_process
 
 V1, V2, OLD = "tiny-2026-10-01", "tiny-2026-11-01", "tiny-2026-01-01"
 
@@ -266,8 +266,6 @@ def test_replicas_join_and_leave_a_running_fleet_through_redis(demo_model_dir, t
     """No replica in the fleet file: one registers itself in Redis and takes traffic; killed, it leaves."""
     import uuid
 
-    import redis
-
     prefix = f"tftest:routing:{uuid.uuid4().hex}:"
     gateway_port, port = free_port(), free_port()
     config = fleet_file(demo_model_dir, [], gateway_port, tmp_path / "fleet.yaml")
@@ -297,7 +295,4 @@ def test_replicas_join_and_leave_a_running_fleet_through_redis(demo_model_dir, t
             with pytest.raises(openai.APIStatusError):
                 client.chat.completions.create(**sdk(V1, 2))
     finally:
-        client = redis.Redis(host="127.0.0.1", port=6379)
-        keys = list(client.scan_iter(match=prefix + "*"))
-        if keys:
-            client.delete(*keys)
+        delete_redis_keys(prefix)

@@ -19,7 +19,7 @@ import redis
 import redis.asyncio as aioredis
 
 from tests.gateway.conftest import replica_args
-from tests.servers import free_port, wait_healthy
+from tests.servers import delete_redis_keys, free_port, wait_healthy
 from tokenfleet.cli import build_parser
 from tokenfleet.replica.main import default_advertise_url, registration_from_args
 from tokenfleet.router.registry import RegistryKeys, ReplicaAnnouncer, ReplicaRecord, ReplicaRegistry
@@ -33,11 +33,7 @@ TTL_S, BEAT_S = 1.0, 0.25
 def prefix():
     prefix = f"tftest:replicas:{uuid.uuid4().hex}:"
     yield prefix
-    client = redis.Redis.from_url(REDIS_URL)
-    keys = list(client.scan_iter(match=prefix + "*"))
-    if keys:
-        client.delete(*keys)
-    client.close()
+    delete_redis_keys(prefix)
 
 
 def record(name: str = "10.0.0.1:8100", **fields) -> ReplicaRecord:

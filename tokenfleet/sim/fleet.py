@@ -64,7 +64,9 @@ class Fleet:
         self.replicas = [SimReplica(f"replica-{i}", s.spec, s.cost, self.events, self, s.fast)
                          for i in range(s.replicas)]
         self.by_name = {r.name: r for r in self.replicas}
-        self.states = [r.state for r in self.replicas]
+        self.states = [r.state for r in self.replicas]  # the replicas the router may choose: not draining
+        self.draining: set[str] = set()
+        self._next_replica = s.replicas
         self.policy = make_policy(s.policy, s.spec.block_size, s.load_bound)
         self.gateway = SimGateway(s.tiers, self.clock, OverloadLadder(s.overload, self.clock),
                                   Dispatcher(s.tiers, s.slots_per_replica * s.replicas, s.quantum_tokens,
@@ -173,9 +175,46 @@ class Fleet:
     def _load_tick(self) -> None:
         queued = sum(r.report().queued_tokens for r in self.replicas)
         interval = self.setup.load_interval_s
-        level = self.gateway.update_load(len(self.replicas), self.setup.slots_per_replica, queued,
+        level = self.gateway.update_load(len(self.states), self.setup.slots_per_replica, queued,
                                          self.prefill_tokens_per_s)
         self.max_level = max(self.max_level, level)
         self.level_seconds[level] += interval
         if self.clock.now + interval < self.end_s:
             self.events.after(interval, self._load_tick)
+
+    # --- a fleet that changes size (tokenfleet/sim/autoscaling.py) -----------------------------------------------
+
+    def add_replica(self) -> SimReplica:
+        """A new replica, serving at once (its cold start is the caller's business); the router may choose it."""
+        s = self.setup
+        replica = SimReplica(f"replica-{self._next_replica}", s.spec, s.cost, self.events, self, s.fast)
+        self._next_replica += 1
+        self.replicas.append(replica)
+        self.by_name[replica.name] = replica
+        self._serving_changed()
+        return replica
+
+    def set_draining(self, name: str, draining: bool) -> None:
+        """Draining: the router sends it nothing new; what it holds runs to the end (as the router's drain mark)."""
+        if name not in self.by_name:
+            raise KeyError(f"no replica {name!r}")
+        (self.draining.add if draining else self.draining.discard)(name)
+        self._serving_changed()
+
+    def idle(self, name: str) -> bool:
+        """Nothing running, queued or on its way to the replica: it can be stopped without dropping a request."""
+        replica = self.by_name[name]
+        return not replica.busy and not replica.has_work() and replica.state.in_flight == 0
+
+    def remove_replica(self, name: str) -> SimReplica:
+        """Stops a drained, idle replica; refuses one that still holds requests."""
+        if name not in self.draining or not self.idle(name):
+            raise ValueError(f"replica {name} must be drained and idle before it is removed")
+        replica = self.by_name.pop(name)
+        self.replicas.remove(replica)
+        self.draining.discard(name)
+        self._serving_changed()
+        return replica
+
+    def _serving_changed(self) -> None:
+        self.states = [r.state for r in self.replicas if r.name not in self.draining]

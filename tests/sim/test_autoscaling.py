@@ -1,0 +1,125 @@
+"""The real autoscaler (tokenfleet/autoscale/policy.py) driving a simulated fleet: it scales ahead of a forecast peak,
+a drained replica finishes its requests before it is removed, and GPU time counts from launch to removal."""
+from __future__ import annotations
+
+import pytest
+
+from tokenfleet.autoscale.settings import AutoscaleSettings
+from tokenfleet.sim import config
+from tokenfleet.sim.autoscaling import ScaledFleet, ScalingSetup, forecast_from_workload
+from tokenfleet.sim.fleet import Fleet
+from tokenfleet.sim.timeline import TimelineMetrics
+
+PEAK_S = 400.0
+DAY = {"seed": 2, "duration_s": 800, "warmup_s": 0, "drain_s": 120,
+       "fleet": {"replicas": 1, "gpu": "h100", "tensor_parallel": 1, "model": "llama-8b", "weight_dtype": "fp16",
+                 "cost": {"overhead_s": 0.002, "per_sequence_s": 1e-5, "per_token_s": 2.5e-4,
+                          "per_attention_pair_s": 0.0, "weights_s": 0.02, "per_kv_token_s": 1e-8}},
+       # a slow replica (a prefill of 1,000 tokens takes 0.25 s), so that a handful of them carry the peak
+       "workload": {"rate": 5, "diurnal_amplitude": 0.8, "diurnal_period_s": 800, "peak_at_s": PEAK_S,
+                    "think_time_s": 5, "output_tokens_mean": 200},
+       "gateway": {"quota": False}}
+POOL = {"min_replicas": 1, "max_replicas": 8, "target_in_flight": 12, "replica_rps": 2.5}
+
+
+def _run(mode: str, raw: dict = DAY, cold_start_s: float = 60.0, **settings) -> ScaledFleet:
+    setup = config.parse(raw)
+    fleet = Fleet(setup)
+    fleet.metrics = TimelineMetrics(setup.slo, setup.warmup_s, bin_s=50)
+    options = {"mode": mode, "interval_s": 5, "cold_start_s": cold_start_s, "scale_down_delay_s": 60,
+               "cooldown_s": 30, "pools": {"sim": POOL}, **settings}
+    return ScaledFleet(fleet, ScalingSetup(AutoscaleSettings(**options), cold_start_s=cold_start_s)).run()
+
+
+def _ready_at(run: ScaledFleet, t: float) -> int:
+    return max(r.ready for r in run.records if r.t <= t)
+
+
+def _mean_ready(run: ScaledFleet, until: float) -> float:
+    ready = [r.ready for r in run.records if r.t <= until]
+    return sum(ready) / len(ready)
+
+
+def _nothing_dropped(run: ScaledFleet) -> None:
+    fleet = run.fleet
+    assert fleet.in_flight == 0 and fleet.gateway.queued == 0 and not fleet.conversations
+    total = fleet.metrics.totals()
+    assert total.arrived == total.completed + total.cancelled + total.shed + total.quota + total.rejected
+    assert all(r.state.in_flight == 0 and not r.has_work() for r in fleet.replicas)
+
+
+@pytest.fixture(scope="module")
+def day() -> dict[str, ScaledFleet]:
+    return {mode: _run(mode) for mode in ("forecast", "reactive")}
+
+
+def test_forecast_mode_starts_replicas_a_cold_start_ahead_of_the_peak(day) -> None:
+    forecast, reactive = day["forecast"], day["reactive"]
+    first_up = next(r for r in forecast.records if r.desired > 1)
+    assert "forecast" in first_up.reason and first_up.t < PEAK_S / 2  # the morning ramp, long before the peak
+    # all along the morning ramp the forecast pool is already serving more than the reactive one
+    assert _ready_at(forecast, 150) > _ready_at(reactive, 150)
+    assert _mean_ready(forecast, PEAK_S) > _mean_ready(reactive, PEAK_S) + 0.5
+    assert max(r.ready for r in forecast.records) >= 4
+    # it pays for that in GPU-hours, and gets no more requests outside their SLO or shed for it
+    misses = {m: r.fleet.metrics.totals() for m, r in day.items()}
+    assert forecast.gpu_hours > reactive.gpu_hours
+    assert misses["forecast"].missed + misses["forecast"].shed <= misses["reactive"].missed + misses["reactive"].shed
+
+
+def test_the_day_ends_scaled_down_with_every_request_accounted_for(day) -> None:
+    for run in day.values():
+        assert run.events["started"] >= 1 and run.events["removed"] >= 1
+        assert len(run.fleet.replicas) < max(r.ready for r in run.records)  # shrank after the peak
+        _nothing_dropped(run)
+
+
+def test_a_drained_replica_finishes_its_requests_before_it_is_removed() -> None:
+    """Start with four replicas for a light load: the autoscaler drains three; each is removed only when it has
+    finished everything it held, and every request that reached it completed."""
+    raw = {**DAY, "duration_s": 300, "fleet": {**DAY["fleet"], "replicas": 4},
+           "workload": {**DAY["workload"], "diurnal_amplitude": 0.0, "rate": 2}}
+    run = _run("reactive", raw, scale_down_delay_s=20, cooldown_s=10)
+    assert run.events["removed"] >= 2 and len(run.fleet.replicas) <= 2
+    assert run.events["drained"] >= run.events["removed"]
+    _nothing_dropped(run)
+
+
+def test_a_busy_replica_cannot_be_removed_and_a_draining_one_gets_no_new_requests() -> None:
+    setup = config.parse({**DAY, "duration_s": 60, "fleet": {**DAY["fleet"], "replicas": 2}})
+    fleet = Fleet(setup)
+    fleet.events.run(until=30)  # nothing scheduled yet: start the run by hand, part way
+    fleet.events.at(fleet.workload.next_start(), fleet._conversation_starts)
+    fleet.events.run(until=40)
+    busy = max(fleet.replicas, key=lambda r: r.state.in_flight)
+    assert busy.state.in_flight > 0
+    fleet.set_draining(busy.name, True)
+    with pytest.raises(ValueError, match="drained and idle"):
+        fleet.remove_replica(busy.name)
+    before = busy.state.in_flight
+    fleet.events.run(until=45)
+    assert busy.state.in_flight <= before  # nothing new routed to it
+    assert [s.name for s in fleet.states] == [r.name for r in fleet.replicas if r is not busy]
+    fleet.events.run()
+    assert fleet.idle(busy.name)
+    fleet.remove_replica(busy.name)
+    assert busy.name not in fleet.by_name and len(fleet.replicas) == 1
+
+
+def test_gpu_hours_count_starting_replicas_from_their_launch() -> None:
+    raw = {**DAY, "duration_s": 100, "drain_s": 20, "fleet": {**DAY["fleet"], "replicas": 1},
+           "workload": {**DAY["workload"], "rate": 1}}
+    pinned = {**POOL, "min_replicas": 3, "max_replicas": 3}
+    run = _run("reactive", raw, cold_start_s=50, pools={"sim": pinned})
+    # one replica from 0 s; two more launched at 0 s, serving from 50 s; all three to the end at 120 s
+    assert run.events["started"] == 2
+    assert run.gpu_hours == pytest.approx(3 * 120 / 3600)
+    assert _ready_at(run, 45) == 1 and _ready_at(run, 60) == 3
+
+
+def test_the_forecast_is_the_workloads_curve_without_its_bursts() -> None:
+    spec = config.parse({**DAY, "workload": {**DAY["workload"], "bursts": [
+        {"at_s": 390, "duration_s": 20, "multiplier": 5}]}}).workload
+    curve = forecast_from_workload(spec, 0.9)
+    assert curve.rate(PEAK_S) == pytest.approx(5 * 1.8 * 0.9)
+    assert curve.rate(0) == pytest.approx(5 * 0.2 * 0.9, rel=1e-6)

@@ -52,3 +52,9 @@ class DispatchSnapshot:
     queued: int
     queued_tokens: int
     tiers: dict[str, TierSnapshot]
+
+    @property
+    def served_queued_tokens(self) -> int:
+        """Queued tokens of the tiers being served: a paused tier's queue is ahead of no one. (Counting it kept the
+        overload ladder's projected TTFT up once it paused batch, so it never came back down while batch arrived.)"""
+        return sum(t.queued_tokens for t in self.tiers.values() if not t.paused)

@@ -114,7 +114,7 @@ async def watch_load(admission: Admission, router, interval_s: float, slots_per_
             dispatcher.set_slots(slots_per_replica * taking)
             replicas += taking
         snapshots = [d.snapshot() for d in admission.dispatchers.values()]
-        admission.ladder.update(LoadSignal(sum(s.queued_tokens for s in snapshots), router.queued_tokens(),
+        admission.ladder.update(LoadSignal(sum(s.served_queued_tokens for s in snapshots), router.queued_tokens(),
                                            sum(s.in_use for s in snapshots), sum(s.slots for s in snapshots),
                                            prefill_tokens_per_s * replicas))
         for model, dispatcher in admission.dispatchers.items():

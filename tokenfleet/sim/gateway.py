@@ -104,8 +104,8 @@ class SimGateway:
         """What watch_load does every interval: size the pool, project TTFT, move the ladder, pause batch."""
         self.dispatcher.set_slots(slots_per_replica * replicas)
         snap = self.dispatcher.snapshot()
-        level = self.ladder.update(LoadSignal(snap.queued_tokens, replica_queued_tokens, snap.in_use, snap.slots,
-                                              prefill_tokens_per_s * replicas))
+        level = self.ladder.update(LoadSignal(snap.served_queued_tokens, replica_queued_tokens, snap.in_use,
+                                              snap.slots, prefill_tokens_per_s * replicas))
         self.ladder.apply(self.dispatcher)
         return level
 

@@ -3,11 +3,22 @@
 
     python bench/sim_experiments.py capacity   # docs/benchmarks/sim_capacity.md: nodes for 7,000 req/s at peak
     python bench/sim_experiments.py routing    # docs/benchmarks/sim_routing.md: the three routing policies
+    python bench/sim_experiments.py overload   # docs/benchmarks/sim_overload.md: the ladder in a launch-day spike
+    python bench/sim_experiments.py autoscale  # docs/benchmarks/sim_autoscale.md: forecast vs reactive over a day
+    python bench/sim_experiments.py disagg     # docs/benchmarks/sim_disagg.md: chunked prefill vs P/D pools
 
 capacity: bench/sim/capacity.yaml (16 nodes of the 70B in FP8 on 8 H100s) at several arrival rates per node; the
 highest rate at which every interactive tier (enterprise, paid, free) keeps TTFT p99 <= --ttft-p99 and inter-token
 latency p99 <= --itl-p99 is what one node sustains; nodes for the design's 7,000 req/s peak = 7,000 / that rate.
 routing: the same fleet at --rate per node under each routing policy: prefix hit rate, TTFT, ITL, throughput.
+overload: bench/sim/overload.yaml, a launch-day spike (4x in half a minute) with the overload ladder and without it:
+who is paused, capped, shed or delayed, TTFT per tier over time.
+autoscale: bench/sim/autoscale.yaml, a compressed day under the real autoscaler in forecast and reactive mode, and a
+static fleet sized for the peak: GPU-hours and SLO misses.
+disagg: bench/sim/disagg.yaml, chunked prefill on every replica against separate prefill and decode pools at equal
+GPU count: goodput under strict TTFT and ITL targets.
+plots: redraws the PNGs from the JSON results in docs/benchmarks/ without running anything.
+Every experiment writes docs/benchmarks/sim_EXPERIMENT.{md,json,png}.
 """
 from __future__ import annotations
 
@@ -104,28 +115,79 @@ def render_routing(result: dict, args, head: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
+CONFIGS = {"capacity": "bench/sim/capacity.yaml", "routing": "bench/sim/capacity.yaml",
+           "overload": "bench/sim/overload.yaml", "autoscale": "bench/sim/autoscale.yaml",
+           "disagg": "bench/sim/disagg.yaml"}
+
+
+def experiments() -> dict:
+    """name -> (run(base, args) -> result, render(result, args, head) -> markdown, plot(result, args, path))."""
+    import sim_disagg
+    import sim_dynamic
+    import sim_plots
+    return {
+        "capacity": (capacity, render_capacity,
+                     lambda r, a, p: sim_plots.capacity(r, p, a.ttft_p99, a.itl_p99)),
+        "routing": (routing, render_routing, lambda r, a, p: sim_plots.routing(r, p)),
+        "overload": (sim_dynamic.overload, sim_dynamic.render_overload, lambda r, a, p: sim_plots.overload(
+            r["runs"], p)),
+        "autoscale": (sim_dynamic.autoscale, sim_dynamic.render_autoscale, lambda r, a, p: sim_plots.autoscale(
+            r["runs"], p)),
+        "disagg": (sim_disagg.experiment, sim_disagg.render, lambda r, a, p: sim_plots.disagg(r, p)),
+    }
+
+
+def redraw(table: dict) -> None:
+    for name, (_, _, plot) in table.items():
+        path = ROOT / f"docs/benchmarks/sim_{name}.json"
+        if path.exists():
+            saved = json.loads(path.read_text())
+            args = argparse.Namespace(**saved.get("args", {}))
+            print(plot(saved, args, path.with_suffix(".png")))
+
+
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("experiment", choices=("capacity", "routing"))
-    p.add_argument("--config", default="bench/sim/capacity.yaml")
+    p.add_argument("experiment", choices=(*CONFIGS, "plots"))
+    p.add_argument("--config", default=None, help="default: bench/sim/EXPERIMENT.yaml (capacity.yaml for routing)")
     p.add_argument("--rates", default="20,25,30,35,40", help="capacity: arrival rates per node, req/s")
     p.add_argument("--rate", type=float, default=30.0, help="routing: arrival rate per node, req/s")
     p.add_argument("--ttft-p99", type=float, default=2.0)
     p.add_argument("--itl-p99", type=float, default=0.1)
+    p.add_argument("--bin-s", type=float, default=None, help="overload, autoscale: timeline bins (s)")
+    p.add_argument("--sample-s", type=float, default=5.0, help="overload: gauge samples (s)")
+    p.add_argument("--loads", default=None, help="disagg: offered req/s per GPU, comma-separated")
     p.add_argument("--out", default=None, help="default: docs/benchmarks/sim_EXPERIMENT.md ('' prints only)")
     args = p.parse_args()
+    if args.bin_s is None:
+        args.bin_s = 60.0 if args.experiment == "autoscale" else 10.0
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    table = experiments()
+    if args.experiment == "plots":
+        redraw(table)
+        return 0
+    args.config = args.config or CONFIGS[args.experiment]
     base = yaml.safe_load((ROOT / args.config).read_text())
-    result = capacity(base, args) if args.experiment == "capacity" else routing(base, args)
+    run, render, plot = table[args.experiment]
+    result = run(base, args)
+    out = f"docs/benchmarks/sim_{args.experiment}.md" if args.out is None else args.out
     head = [f"# Simulator experiment: {args.experiment}", "",
             f"`python {' '.join(sys.argv)}` ({time.strftime('%Y-%m-%d')}), base config `{args.config}`: "
-            f"{base['fleet']}, {base['duration_s']} s of arrivals after a {base['warmup_s']} s warm-up, seed "
+            f"{base['fleet']}, {base['duration_s']} s of arrivals after a {base.get('warmup_s', 0)} s warm-up, seed "
             f"{base['seed']}.", ""]
-    text = (render_capacity if args.experiment == "capacity" else render_routing)(result, args, head)
+    if out:
+        png = (ROOT / out).with_suffix(".png")
+        plot(result, args, png)
+        head += [f"![{args.experiment}]({png.name})", ""]
+    text = render(result, args, head)
     print(text)
-    out = f"docs/benchmarks/sim_{args.experiment}.md" if args.out is None else args.out
     if out:
         (ROOT / out).write_text(text)
-        (ROOT / out).with_suffix(".json").write_text(json.dumps({"args": vars(args), **result}, indent=2) + "\n")
+        (ROOT / out).with_suffix(".json").write_text(json.dumps({"args": vars(args), **result}, indent=1) + "\n")
     return 0
 
 

@@ -23,12 +23,13 @@ class TierBin:
     good: int = 0  # completed within the SLO (TTFT and time per output token)
     missed: int = 0  # completed outside it
     delayed: int = 0  # waited in the fair queue
+    capped: int = 0  # its max_tokens cut by the overload ladder (free tier at level 2)
     ttft: list = field(default_factory=list)
 
     def row(self) -> dict:
         return {"arrived": self.arrived, "shed": self.shed, "quota": self.quota, "rejected": self.rejected,
                 "completed": self.completed, "cancelled": self.cancelled, "good": self.good, "missed": self.missed,
-                "delayed": self.delayed, "ttft_p50_s": percentile(self.ttft, 50),
+                "delayed": self.delayed, "capped": self.capped, "ttft_p50_s": percentile(self.ttft, 50),
                 "ttft_p99_s": percentile(self.ttft, 99)}
 
 
@@ -77,6 +78,8 @@ class TimelineMetrics(Metrics):
             b.ttft.append(sreq.first_token - sreq.arrival)
         if sreq.admitted is not None and sreq.admitted > sreq.arrival:
             b.delayed += 1
+        if sreq.max_tokens < len(sreq.output):
+            b.capped += 1
 
     def rows(self) -> list[dict]:
         """One row per bin: its start time and, per tier, the counts and TTFT percentiles."""
@@ -90,7 +93,7 @@ class TimelineMetrics(Metrics):
             for tier, b in by_tier.items():
                 if tiers is None or tier in tiers:
                     for name in ("arrived", "shed", "quota", "rejected", "completed", "cancelled", "good",
-                                 "missed", "delayed"):
+                                 "missed", "delayed", "capped"):
                         setattr(total, name, getattr(total, name) + getattr(b, name))
         return total
 

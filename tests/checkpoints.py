@@ -9,6 +9,10 @@ COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_
               num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.5, bos_token_id=1,
               eos_token_id=2)
 
+# KV cache and swap space of an engine in a test: 10 MiB each (~1,300 16-token blocks of these models), enough for
+# every test's requests, instead of the defaults' 2 GiB + 1 GiB, which each engine fills with zeros up front.
+SMALL_KV = dict(kv_cache_gib=0.01, swap_space_gib=0.01)
+
 ARCHITECTURES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
     "llama3-scaled": ("LlamaConfig", "LlamaForCausalLM", dict(

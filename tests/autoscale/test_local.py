@@ -17,7 +17,7 @@ import yaml
 from tests.gateway.conftest import ADMIN_KEY, MODEL
 from tests.servers import delete_redis_keys, free_port, metric, running_process
 
-REPLICA_ARGS = ["--kv-cache-gib", "0.05", "--max-model-len", "512"]
+REPLICA_ARGS = ["--kv-cache-gib", "0.05", "--swap-space-gib", "0.01", "--max-model-len", "512"]
 
 
 def fleet_config(model_dir, port: int, prefix: str, logs) -> dict:

@@ -22,7 +22,8 @@ WINDOW = 2048
 
 @pytest.fixture
 def engine(demo_model_dir):
-    engine = AsyncEngine(EngineConfig(model=str(demo_model_dir), kv_cache_gib=0.05, max_model_len=WINDOW))
+    engine = AsyncEngine(EngineConfig(model=str(demo_model_dir), kv_cache_gib=0.05, swap_space_gib=0.01,
+                                        max_model_len=WINDOW))
     yield engine
     engine.shutdown()
 

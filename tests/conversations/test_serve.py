@@ -28,8 +28,8 @@ def serving(model_dir, folder: Path, log_name: str = "serve.log"):
     (folder / "fleet.yaml").write_text(yaml.safe_dump(SETTINGS))
     port = free_port()
     args = ["serve", "--model", str(model_dir), "--port", str(port), "--served-model-name", "tiny",
-            "--kv-cache-gib", "0.05", "--max-model-len", "2048", "--auth", "--config", str(folder / "fleet.yaml"),
-            "--database-url", f"sqlite:///{folder / 'tokenfleet.db'}"]
+            "--kv-cache-gib", "0.05", "--swap-space-gib", "0.01", "--max-model-len", "2048", "--auth",
+            "--config", str(folder / "fleet.yaml"), "--database-url", f"sqlite:///{folder / 'tokenfleet.db'}"]
     with running_process(args, f"http://127.0.0.1:{port}/health", folder / log_name) as process:
         yield f"http://127.0.0.1:{port}", process
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.checkpoints import SMALL_KV
 from tokenfleet import LLM, SamplingParams
 from tokenfleet.engine.engine import Engine
 
@@ -17,7 +18,8 @@ def greedy(max_tokens: int = 8, **kw) -> SamplingParams:
 
 
 def make_llm(model_dir, num_blocks: int = 64, **kw) -> LLM:
-    return LLM(str(model_dir), max_model_len=MAX_LEN, kv_cache_gib=num_blocks * BLOCK_BYTES / (1 << 30), **kw)
+    return LLM(str(model_dir), max_model_len=MAX_LEN, kv_cache_gib=num_blocks * BLOCK_BYTES / (1 << 30),
+               swap_space_gib=SMALL_KV["swap_space_gib"], **kw)
 
 
 @pytest.fixture(scope="module")

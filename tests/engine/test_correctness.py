@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from tests.checkpoints import ARCHITECTURES, load_reference, make_checkpoint, reference_greedy
+from tests.checkpoints import ARCHITECTURES, SMALL_KV, load_reference, make_checkpoint, reference_greedy
 from tokenfleet import LLM, SamplingParams
 from tokenfleet.engine.request import RequestStatus
 
@@ -38,21 +38,21 @@ def check_against_reference(llm: LLM, reference, prompts: list[list[int]], max_t
 
 def test_alone(checkpoint):
     path, reference = checkpoint
-    llm = LLM(str(path), skip_tokenizer_init=True)
+    llm = LLM(str(path), skip_tokenizer_init=True, **SMALL_KV)
     for prompt in random_prompts(2, 1, 40, seed=1):
         check_against_reference(llm, reference, [prompt], [12])
 
 
 def test_busy_mixed_batch_with_chunked_prefill(checkpoint):
     path, reference = checkpoint
-    llm = LLM(str(path), skip_tokenizer_init=True, max_num_batched_tokens=48, max_num_seqs=6)
+    llm = LLM(str(path), skip_tokenizer_init=True, max_num_batched_tokens=48, max_num_seqs=6, **SMALL_KV)
     prompts = random_prompts(10, 3, 120, seed=2)
     check_against_reference(llm, reference, prompts, [random.Random(i).randint(4, 20) for i in range(10)])
 
 
 def test_prefix_cache_hit(checkpoint):
     path, reference = checkpoint
-    llm = LLM(str(path), skip_tokenizer_init=True)
+    llm = LLM(str(path), skip_tokenizer_init=True, **SMALL_KV)
     shared = random_prompts(1, 70, 70, seed=3)[0]
     check_against_reference(llm, reference, [shared + [5, 6, 7]], [8])
     second = check_against_reference(llm, reference, [shared + [9, 10]], [8])[0]
@@ -65,7 +65,7 @@ def test_preemption(checkpoint, swap_threshold):
     # 8 KiB blocks (2 layers x 2 KV heads x 16 dims x fp32 x 16 tokens x K,V): 12 blocks for 8 requests of 5 each
     kv_block_bytes = 2 * 2 * 2 * 16 * 4 * 16 * (2 if "qwen3" in str(path) else 1)
     llm = LLM(str(path), skip_tokenizer_init=True, kv_cache_gib=12 * kv_block_bytes / (1 << 30), watermark=0.0,
-              swap_threshold_tokens=swap_threshold)
+              swap_threshold_tokens=swap_threshold, swap_space_gib=SMALL_KV["swap_space_gib"])
     prompts = random_prompts(8, 20, 40, seed=4)
     seen = []
     original_preempt = llm.engine.scheduler._preempt
@@ -85,7 +85,7 @@ def test_preemption(checkpoint, swap_threshold):
 def test_dtypes_run(tmp_path):
     path = make_checkpoint(tmp_path, "llama", dtype=torch.bfloat16)
     for dtype in ("bfloat16", "float16", "float32"):
-        llm = LLM(str(path), skip_tokenizer_init=True, dtype=dtype)
+        llm = LLM(str(path), skip_tokenizer_init=True, dtype=dtype, **SMALL_KV)
         out = llm.generate({"prompt_token_ids": [5, 6, 7]}, greedy(4))[0]
         assert len(out.token_ids) == 4
         assert next(llm.engine.model.parameters()).dtype == getattr(torch, dtype)

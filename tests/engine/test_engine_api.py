@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.checkpoints import make_checkpoint
+from tests.checkpoints import SMALL_KV, make_checkpoint
 from tokenfleet import LLM, SamplingParams
 from tokenfleet.config import EngineConfig
 from tokenfleet.engine.async_engine import AsyncEngine
@@ -30,7 +30,7 @@ def idle_and_clean(engine: Engine) -> None:
 
 
 def make_engine(path, **options) -> Engine:
-    return Engine(EngineConfig.from_options(str(path), skip_tokenizer_init=True, **options))
+    return Engine(EngineConfig.from_options(str(path), skip_tokenizer_init=True, **{**SMALL_KV, **options}))
 
 
 def test_abort_in_every_state(llama_dir):
@@ -67,7 +67,7 @@ def test_abort_in_every_state(llama_dir):
 
 
 def test_seeded_sampling_same_alone_and_in_batch(llama_dir):
-    llm = LLM(str(llama_dir), skip_tokenizer_init=True, max_num_batched_tokens=64)
+    llm = LLM(str(llama_dir), skip_tokenizer_init=True, max_num_batched_tokens=64, **SMALL_KV)
     seeded = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
     alone = llm.generate({"prompt_token_ids": ids(30)}, seeded)[0].token_ids
     others = [SamplingParams(max_tokens=25, temperature=1.0, ignore_eos=True),
@@ -81,7 +81,7 @@ def test_seeded_sampling_same_alone_and_in_batch(llama_dir):
 
 
 def test_stop_token_ids_min_tokens_and_logprobs(llama_dir):
-    llm = LLM(str(llama_dir), skip_tokenizer_init=True)
+    llm = LLM(str(llama_dir), skip_tokenizer_init=True, **SMALL_KV)
     free = llm.generate({"prompt_token_ids": ids(12)}, SamplingParams(max_tokens=12, temperature=0.0,
                                                                       ignore_eos=True))[0].token_ids
     stop_at = free[5]
@@ -101,7 +101,7 @@ def test_stop_token_ids_min_tokens_and_logprobs(llama_dir):
 
 
 def test_stop_strings_and_text(demo_model_dir):
-    llm = LLM(str(demo_model_dir))
+    llm = LLM(str(demo_model_dir), **SMALL_KV)
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     full = llm.generate("The list of", greedy)[0]
     assert full.text == llm.tokenizer.decode(full.token_ids)
@@ -113,7 +113,7 @@ def test_stop_strings_and_text(demo_model_dir):
 
 
 def test_detokenize_off_gives_the_same_tokens_without_text(demo_model_dir):
-    llm = LLM(str(demo_model_dir))
+    llm = LLM(str(demo_model_dir), **SMALL_KV)
     with_text, ids_only = llm.generate(["The list of"] * 2, [
         SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
         SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, detokenize=False)])
@@ -123,7 +123,7 @@ def test_detokenize_off_gives_the_same_tokens_without_text(demo_model_dir):
 
 
 def test_async_engine_streams_and_cancels(llama_dir):
-    engine = AsyncEngine(EngineConfig.from_options(str(llama_dir), skip_tokenizer_init=True))
+    engine = AsyncEngine(EngineConfig.from_options(str(llama_dir), skip_tokenizer_init=True, **SMALL_KV))
 
     async def scenario():
         params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -160,7 +160,7 @@ async def collect(engine: AsyncEngine, prompt: list[int], params: SamplingParams
 
 
 def test_step_stats_account_for_the_step(llama_dir):
-    llm = LLM(str(llama_dir), skip_tokenizer_init=True)
+    llm = LLM(str(llama_dir), skip_tokenizer_init=True, **SMALL_KV)
     llm.generate([{"prompt_token_ids": ids(40)}] * 3, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     stats = llm.engine.stats
     assert stats.steps >= 5

@@ -50,7 +50,7 @@ class Platform:
 
 def replica_args(model_dir, port: int) -> list[str]:
     return ["replica", "--model", str(model_dir), "--port", str(port), "--served-model-name", MODEL,
-            "--kv-cache-gib", "0.05", "--max-model-len", "512", "--drain-timeout", "20"]
+            "--kv-cache-gib", "0.05", "--swap-space-gib", "0.01", "--max-model-len", "512", "--drain-timeout", "20"]
 
 
 def with_tenants(platform: Platform) -> Platform:
@@ -94,8 +94,8 @@ def serving_with_auth(model_dir, logs: Path, config: dict):
     (logs / "fleet.yaml").write_text(yaml.safe_dump(config))
     port = free_port()
     args = ["serve", "--model", str(model_dir), "--port", str(port), "--served-model-name", MODEL,
-            "--kv-cache-gib", "0.05", "--max-model-len", "512", "--auth", "--config", str(logs / "fleet.yaml"),
-            "--database-url", f"sqlite:///{logs / 'tenants.db'}"]
+            "--kv-cache-gib", "0.05", "--swap-space-gib", "0.01", "--max-model-len", "512", "--auth",
+            "--config", str(logs / "fleet.yaml"), "--database-url", f"sqlite:///{logs / 'tenants.db'}"]
     with running_process(args, f"http://127.0.0.1:{port}/health", logs / "serve.log"):
         yield Platform(f"http://127.0.0.1:{port}", "embedded", logs / "serve.log",
                        database_url=f"sqlite:///{logs / 'tenants.db'}")

@@ -18,8 +18,9 @@ def server(demo_model_dir, tmp_path_factory):
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     args = ["serve", "--model", str(demo_model_dir), "--port", str(port), "--served-model-name", MODEL,
-            "--kv-cache-gib", "0.05", "--max-model-len", "2048", "--disconnect-grace", "0.5",
-            "--safety-hook", "tests.gateway.hooks:refuse_forbidden", "--database-url", f"sqlite:///{logs / 'serve.db'}"]
+            "--kv-cache-gib", "0.05", "--swap-space-gib", "0.01", "--max-model-len", "2048",
+            "--disconnect-grace", "0.5", "--safety-hook", "tests.gateway.hooks:refuse_forbidden",
+            "--database-url", f"sqlite:///{logs / 'serve.db'}"]
     with running_process(args, f"{base}/health", logs / "serve.log"):
         yield base
 

@@ -29,8 +29,8 @@ def embedded(model_dir: Path, logs: Path):
     port, url = free_port(), f"sqlite:///{logs / 'usage.db'}"
     (logs / "fleet.yaml").write_text(yaml.safe_dump({"metering": METERING}))
     args = ["serve", "--model", str(model_dir), "--port", str(port), "--served-model-name", MODEL,
-            "--kv-cache-gib", "0.1", "--max-model-len", "2048", "--config", str(logs / "fleet.yaml"),
-            "--database-url", url]
+            "--kv-cache-gib", "0.1", "--swap-space-gib", "0.01", "--max-model-len", "2048",
+            "--config", str(logs / "fleet.yaml"), "--database-url", url]
     yield lambda n: running_process(args, f"http://127.0.0.1:{port}/health", logs / f"serve{n}.log"), port, url
 
 

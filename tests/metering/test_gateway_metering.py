@@ -37,7 +37,8 @@ class ObservedQuota(MemoryQuota):
 
 @pytest.fixture(scope="module")
 def engine(demo_model_dir):
-    engine = AsyncEngine(EngineConfig.from_options(str(demo_model_dir), kv_cache_gib=0.05, max_model_len=512))
+    engine = AsyncEngine(EngineConfig.from_options(str(demo_model_dir), kv_cache_gib=0.05,
+                                                       swap_space_gib=0.01, max_model_len=512))
     yield engine
     engine.shutdown()
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.checkpoints import load_reference, make_checkpoint, reference_greedy
+from tests.checkpoints import SMALL_KV, load_reference, make_checkpoint, reference_greedy
 from tokenfleet import LLM, SamplingParams
 from tokenfleet.model.attention import DecodeGroup, PagedAttention
 from tokenfleet.model.cpu_kernels import paged_decode_attention_op
@@ -85,7 +85,7 @@ def test_kernel_uses_only_the_context(kernel):
 def test_engine_without_kernel_matches_reference(tmp_path):
     path = make_checkpoint(tmp_path, "qwen2")
     reference = load_reference(path)
-    llm = LLM(str(path), skip_tokenizer_init=True, max_num_batched_tokens=40)
+    llm = LLM(str(path), skip_tokenizer_init=True, max_num_batched_tokens=40, **SMALL_KV)
     llm.engine.runner.use_decode_kernel(None)
     prompts = [[(7 * i + j) % 380 + 3 for j in range(10 + 13 * i)] for i in range(5)]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],

@@ -12,12 +12,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tests.checkpoints import load_reference, make_checkpoint, reference_greedy
+from tests.checkpoints import SMALL_KV, load_reference, make_checkpoint, reference_greedy
 from tokenfleet import LLM, SamplingParams
 from tokenfleet.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from tokenfleet.model.loader import load_model
-
-SMALL_KV = dict(kv_cache_gib=0.01, swap_space_gib=0.01)
 
 
 def prompts(count: int = 3, seed: int = 0) -> list[list[int]]:

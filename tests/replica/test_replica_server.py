@@ -17,7 +17,7 @@ def replica(demo_model_dir, tmp_path_factory):
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     args = ["replica", "--model", str(demo_model_dir), "--port", str(port), "--served-model-name", MODEL,
-            "--kv-cache-gib", "0.05", "--max-model-len", "512"]
+            "--kv-cache-gib", "0.05", "--swap-space-gib", "0.01", "--max-model-len", "512"]
     with running_process(args, f"{base}/health", tmp_path_factory.mktemp("logs") / "replica.log"):
         yield base
 

@@ -15,17 +15,17 @@ WarehouseWriter, with the gateway's default settings.
 Part `pipeline`, per backend, each stage --repeats times on empty tables and an empty log (medians reported):
   floor                  --events empty transactions (a session, BEGIN, SELECT 1, COMMIT) by --writers concurrent
                          coroutines: what any one-transaction write costs before it writes anything.
-  Outbox.close alone     --events Outbox.close calls by --writers coroutines (a row nobody opened: UPDATE finds
-                         nothing, INSERT; one transaction). Events/s and p50/p99 of one call.
-  recorder               --events requests through the gateway's UsageRecorder: all started (Outbox.open of each,
-                         as the recorder schedules them: at most max_writes in flight, default 4), then all
-                         finished (Outbox.close of each): two transactions per request, timed until every write is
+  Outbox.close alone     --events Outbox.close calls by --writers coroutines (a row nobody opened: the upsert
+                         inserts it; one transaction). Events/s and p50/p99 of one call.
+  recorder               --events requests through the gateway's UsageRecorder: all started (their opens written as
+                         the recorder groups them), then all finished (their closes), timed until every write is
                          done (UsageRecorder.flush). Failed writes (the recorder's warnings) are counted.
-  recorder, pool         the same with max_writes=15: as many writes in flight as the database pool has connections,
-                         overflow included (what the recorder did before max_writes when 6-15 writes met).
-  recorder, unbounded    the same with max_writes=1,000,000: every write at once, as before max_writes existed.
-  recorder burst         each request started and finished at once, as in an overloaded gateway: an open still
-                         waiting for its turn when its request ends is skipped, the close inserts the row.
+  recorder, unbatched    the same with batch_s=0: a batch is whatever queued while the previous one was written.
+  recorder burst         each request started and finished at once, as in an overloaded gateway: an open not yet
+                         written when its request ends is skipped, the close inserts the row.
+  recorder, sequential   --sequential-events requests one at a time, as a lightly loaded gateway sees them: started,
+                         10 ms later finished, then wait until its writes are done (flush). CPU per request is net of
+                         what the same 10 ms waits cost with no request (measured just before).
   ship                   --bulk-events closed rows already in the outbox; OutboxShipper.ship_once (batches of 500:
                          read pending, publish, mark sent) until none is pending.
   warehouse              --bulk-events entries already in the log; WarehouseWriter.drain_once (read 500, insert with
@@ -95,22 +95,23 @@ from tokenfleet.metering.sql import insert_ignoring  # noqa: E402
 from tokenfleet.store.db import Database  # noqa: E402
 from tokenfleet.store.models import UsageEventRow, utcnow  # noqa: E402
 
-STAGES = ["transaction", "outbox_close", "recorder", "recorder_pool", "recorder_unbounded", "recorder_burst", "ship",
-          "warehouse", "end_to_end"]
+STAGES = ["transaction", "outbox_close", "recorder", "recorder_unbatched", "recorder_burst", "recorder_sequential",
+          "ship", "warehouse", "end_to_end"]
 STAGE_LABELS = {"transaction": "floor: one empty transaction (SELECT 1) per event",
                 "outbox_close": "Outbox.close alone (one transaction per event)",
-                "recorder": "UsageRecorder: open + close of every request (max_writes 4)",
-                "recorder_pool": "the same with max_writes 15 (the pool's 5 + 10 overflow)",
-                "recorder_unbounded": "the same with writes in flight unbounded (as before max_writes)",
+                "recorder": "UsageRecorder: open + close of every request",
+                "recorder_unbatched": "the same with batch_s 0 (batches form only behind a write in flight)",
                 "recorder_burst": "UsageRecorder: requests that start and end at once (opens skipped)",
+                "recorder_sequential": "UsageRecorder: one request at a time (10 ms each), net CPU per request",
                 "ship": "ship (outbox -> log)", "warehouse": "warehouse writes (log -> usage_events)",
                 "end_to_end": "**end to end**"}
-RECORDER_WRITES = {"recorder_pool": 15, "recorder_unbounded": 1_000_000}  # max_writes other than the default
+RECORDER_OPTIONS = {"recorder_unbatched": {"batch_s": 0.0}}  # UsageRecorder options other than the defaults
 BACKEND_LABELS = {"embedded": "embedded: SQLite + MemoryLog + SQLite",
                   "fleet": "fleet: PostgreSQL + Redis Stream + PostgreSQL"}
 SYSTEM_LABELS = {"serve": "tokenfleet serve (embedded: SQLite, MemoryLog)",
                  "gateway": "tokenfleet gateway + replica (fleet: PostgreSQL, Redis Stream)"}
 TIERS = ("enterprise", "paid", "free", "batch")
+SEQUENTIAL_REQUEST_S = 0.01
 
 
 # ----------------------------------------------------------------------------------------------------------------- #
@@ -288,15 +289,36 @@ async def stage_outbox_close(db: Database, log: EventLog, tag: str, n: int, args
     return work
 
 
-async def stage_recorder(db: Database, log: EventLog, tag: str, n: int, args, burst: bool, options: dict
+async def stage_recorder(db: Database, log: EventLog, tag: str, n: int, args, stage: str, options: dict
                          ) -> Callable:
     recorder = UsageRecorder(Outbox(db), **options)
+    idle_cpu_s = await idle_cpu(n) if stage == "recorder_sequential" else 0.0
 
     async def work() -> dict:
         with WarningCount() as warnings:
-            await record(recorder, tag, n, burst, args.drain_timeout)
-        return {"write_errors": warnings.count, "unsaved": len(recorder.unsaved)}
+            if stage == "recorder_sequential":
+                await record_sequential(recorder, tag, n)
+            else:
+                await record(recorder, tag, n, stage == "recorder_burst", args.drain_timeout)
+        return {"write_errors": warnings.count, "unsaved": len(recorder.unsaved), "idle_cpu_s": idle_cpu_s}
     return work
+
+
+async def record_sequential(recorder: UsageRecorder, tag: str, events: int) -> None:
+    for i in range(events):
+        opened = usage_event(tag, i, final=False)
+        recorder.started(opened.request_id, lambda opened=opened: opened)
+        await asyncio.sleep(SEQUENTIAL_REQUEST_S)
+        recorder.finished(usage_event(tag, i))
+        await recorder.flush()
+
+
+async def idle_cpu(events: int) -> float:
+    """This process's CPU time over `events` waits of SEQUENTIAL_REQUEST_S with nothing else to do."""
+    cpu = time.process_time()
+    for _ in range(events):
+        await asyncio.sleep(SEQUENTIAL_REQUEST_S)
+    return time.process_time() - cpu
 
 
 async def stage_transaction(db: Database, n: int, args) -> Callable:
@@ -368,14 +390,14 @@ async def check_end_to_end(db: Database, result: dict, events: int) -> None:
 
 async def run_stage(backend: Backend, stage: str, rep: int, args) -> dict:
     tag = f"{stage}-{rep}-{uuid.uuid4().hex[:6]}"
-    n = args.bulk_events if stage in ("ship", "warehouse") else args.events
+    n = {"ship": args.bulk_events, "warehouse": args.bulk_events,
+         "recorder_sequential": args.sequential_events}.get(stage, args.events)
     db, log = await backend.open(tag)
     try:
         if stage == "transaction":
             work = await stage_transaction(db, n, args)
         elif stage.startswith("recorder"):
-            work = await stage_recorder(db, log, tag, n, args, stage == "recorder_burst",
-                                        {"max_writes": RECORDER_WRITES[stage]} if stage in RECORDER_WRITES else {})
+            work = await stage_recorder(db, log, tag, n, args, stage, RECORDER_OPTIONS.get(stage, {}))
         elif stage == "outbox_close":
             work = await stage_outbox_close(db, log, tag, n, args)
         else:
@@ -392,7 +414,7 @@ async def run_stage(backend: Backend, stage: str, rep: int, args) -> dict:
         await log.close()
         await db.close()
     result.update(stage=stage, rep=rep, events=n, per_s=n / result["wall_s"],
-                  cpu_us_per_event=1e6 * result["process_cpu_s"] / n,
+                  cpu_us_per_event=1e6 * (result["process_cpu_s"] - result.get("idle_cpu_s", 0.0)) / n,
                   server_cpu_us_per_event=1e6 * (result["server_cpu_s"] or 0) / n)
     return result
 
@@ -692,7 +714,8 @@ def contention(rep: dict) -> str:
 
 def pipeline_section(rep: dict, a: dict) -> list[str]:
     L = ["## Events per second through outbox → log → warehouse", "",
-         f"{a['events']} events per run ({a['bulk_events']} for ship and warehouse; the floor and Outbox.close "
+         f"{a['events']} events per run ({a['bulk_events']} for ship and warehouse, "
+         f"{a.get('sequential_events', '?')} for the sequential recorder; the floor and Outbox.close "
          f"with {a['writers']} concurrent writers), medians of {a['repeats']} runs (each on empty tables and an "
          "empty log), one Python process. \"CPU/event\" = CPU time per event of this process (SQLite included: it "
          "runs in the process) + of the servers (the PostgreSQL backends of the benchmark's connections and "
@@ -765,8 +788,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stages", default=",".join(STAGES), help=f"pipeline stages, from {STAGES}")
     p.add_argument("--events", type=int, default=1000, help="events per run of the outbox and end-to-end stages")
     p.add_argument("--bulk-events", type=int, default=5000, help="events per run of the ship and warehouse stages")
+    p.add_argument("--sequential-events", type=int, default=300, help="requests per run of the sequential stage")
     p.add_argument("--writers", type=int, default=4,
-                   help="concurrent writers of the floor and close-only stages (UsageRecorder's max_writes)")
+                   help="concurrent writers of the floor and close-only stages")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--drain-timeout", type=float, default=120.0, help="longest wait for the warehouse to catch up")
     p.add_argument("--systems", default="serve,gateway", help="lag part: serve,gateway")

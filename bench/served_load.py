@@ -581,6 +581,19 @@ async def gateway_overhead(replica: str, gateway: str, pairs: list[dict], header
     return res
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU time of one process so far, seconds (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def gateway_idle_cpu(pid: int, seconds: float = 3.0) -> float:
+    """CPU seconds per second the gateway uses with no requests (its load polls, health checks, metering loops)."""
+    cpu = process_cpu_s(pid)
+    time.sleep(seconds)
+    return (process_cpu_s(pid) - cpu) / seconds
+
+
 def upstream_connections(port: int) -> int:
     """ESTABLISHED TCP connections whose remote end is 127.0.0.1:port (i.e. opened towards the replica)."""
     n = 0
@@ -765,16 +778,22 @@ def run_system(system: str, args, model_dir: Path, max_len: int, wl: dict, run_d
             replica, gateway = servers
             if args.overhead_requests > 0:
                 busy = cpu_busy(0.5)
+                idle_rate = gateway_idle_cpu(gateway.proc.pid)
                 probe = CpuProbe()
                 probe.start()
-                t = time.perf_counter()
+                t, cpu = time.perf_counter(), process_cpu_s(gateway.proc.pid)
                 ov = asyncio.run(gateway_overhead(replica.base, gateway.base, wl["overhead"], headers))
-                ov["others_cpu"] = probe.stop(time.perf_counter() - t)
+                wall, cpu = time.perf_counter() - t, process_cpu_s(gateway.proc.pid) - cpu
+                ov["others_cpu"] = probe.stop(wall)
                 ov["cpu_busy_before"] = busy
+                ov["gateway_idle_cpu"] = idle_rate
+                ov["gateway_cpu_ms_per_request"] = 1e3 * (cpu - idle_rate * wall) / len(wl["overhead"])
                 row["overhead"] = ov
                 print(f"[gateway overhead] TTFT p50 direct {1e3 * ov['direct']['ttft_p50']:.2f} ms, via gateway "
                       f"{1e3 * ov['gateway']['ttft_p50']:.2f} ms: added p50 {1e3 * ov['added_ttft_p50']:.2f} ms, "
-                      f"p99 {1e3 * ov['added_ttft_p99']:.2f} ms", flush=True)
+                      f"p99 {1e3 * ov['added_ttft_p99']:.2f} ms; gateway CPU per request "
+                      f"{ov['gateway_cpu_ms_per_request']:.2f} ms; others used {100 * (ov['others_cpu'] or 0):.0f}% CPU",
+                      flush=True)
             if args.idle_streams:
                 gateway.stop(args.stop_timeout)  # the idle-stream runs each use a fresh gateway process
                 row["idle_streams"] = idle_streams_phase(args, model_dir, replica, wl["idle_prompt"], run_dir, ports)
@@ -934,6 +953,10 @@ def write_report(path: Path, rep: dict) -> None:
               f"{_ms(ov['added_itl_p50'], 2)} | {_ms(ov['added_e2e_p50'], 2)} |", "",
               f"Added TTFT, p50: {_ms(ov['added_ttft_p50'], 2)} ms ({verdict}); median of the per-pair differences: "
               f"{_ms(ov['added_ttft_paired_median'], 2)} ms."]
+        if ov.get("gateway_cpu_ms_per_request") is not None:
+            L += ["", f"Gateway CPU per request (8 streamed tokens, warm-up included; the gateway process's /proc CPU "
+                  f"time over the phase, net of its idle use of {100 * ov['gateway_idle_cpu']:.1f}% of a core): "
+                  f"**{ov['gateway_cpu_ms_per_request']:.2f} ms**."]
     if gw and gw.get("idle_streams"):
         L += ["", "## Concurrent idle streams in one gateway process (tokenfleet)", "",
               "Per N: a fresh `tokenfleet gateway` process in front of the replica, warmed up (3 requests), RSS read; "

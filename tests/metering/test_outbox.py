@@ -106,3 +106,17 @@ async def test_a_row_whose_lease_ran_out_is_reaped_once_as_failed_with_its_last_
 async def test_a_close_without_an_open_row_writes_the_event(outbox: Outbox):
     assert await outbox.close(event(10)) is True
     assert [e.request_id for _, e in await outbox.pending()] == [event(10).request_id]
+
+
+async def test_write_opens_and_closes_many_requests_in_one_go(outbox: Outbox):
+    lease = utcnow() + timedelta(seconds=30)
+    await outbox.open(event(20, output_tokens=1), lease)  # opened by an earlier batch
+    await outbox.write([event(21, output_tokens=0), event(22, output_tokens=0)],
+                       [event(20, output_tokens=7), event(22, output_tokens=3), event(23)], lease)
+    closed = {e.request_id: e.output_tokens for _, e in await outbox.pending()}
+    assert closed == {event(20).request_id: 7, event(22).request_id: 3, event(23).request_id: 23}  # 21 still runs
+    await outbox.write([event(20, output_tokens=0)], [event(22, output_tokens=99)], lease)  # late open, second close
+    await outbox.checkpoint([event(21, output_tokens=4)], lease)
+    assert {e.request_id: e.output_tokens for _, e in await outbox.pending()} == closed  # the first final word stands
+    await outbox.write([], [event(21, output_tokens=5)], lease)
+    assert {e.request_id: e.output_tokens for _, e in await outbox.pending()} == {**closed, event(21).request_id: 5}

@@ -1,6 +1,6 @@
-"""The recorder under a backlog of requests: at most `max_writes` outbox writes in flight (the rest wait instead of
-making the database pool open a connection each), no close before its open, and a request that ended before its
-open had a turn written once, by its close."""
+"""The recorder's group commit: the opens and closes of many requests share one outbox write, one write runs at a
+time, no close is written before its open, a request that ended before its open was written is written once (by its
+close), and a close whose write failed is kept and written later."""
 from __future__ import annotations
 
 import asyncio
@@ -16,59 +16,76 @@ pytestmark = pytest.mark.anyio
 
 
 class SlowOutbox:
-    """Writes that take a while, counting how many run at once."""
+    """Writes that take a while, counting how many run at once; the first `fail` writes raise."""
 
-    def __init__(self) -> None:
+    def __init__(self, fail: int = 0) -> None:
         self.running = self.most = 0
-        self.writes: list[tuple[str, str]] = []  # (open | close, request id) in the order they finished
+        self.fail = fail
+        self.batches: list[tuple[list[str], list[str]]] = []  # (opened, closed) request ids, in commit order
 
-    async def open(self, event: UsageEvent, lease_until: datetime) -> bool:
-        return await self._write("open", event)
-
-    async def close(self, event: UsageEvent) -> bool:
-        return await self._write("close", event)
-
-    async def _write(self, kind: str, event: UsageEvent) -> bool:
+    async def write(self, opens: list[UsageEvent], closes: list[UsageEvent], lease_until: datetime) -> None:
         self.running += 1
         self.most = max(self.most, self.running)
         await asyncio.sleep(0.005)
         self.running -= 1
-        self.writes.append((kind, event.request_id))
-        return True
+        if self.fail:
+            self.fail -= 1
+            raise ConnectionError("the database is down")
+        self.batches.append(([e.request_id for e in opens], [e.request_id for e in closes]))
+
+    def writes(self) -> list[tuple[str, str]]:
+        return [(kind, rid) for opened, closed in self.batches
+                for kind, rids in (("open", opened), ("close", closed)) for rid in rids]
 
 
-async def test_at_most_max_writes_in_flight_and_no_close_before_its_open():
+async def test_one_write_at_a_time_many_requests_each_and_no_close_before_its_open():
     outbox, requests = SlowOutbox(), events(30)
-    recorder = UsageRecorder(outbox, max_writes=3)  # type: ignore[arg-type]
-    for e in requests:
+    recorder = UsageRecorder(outbox)  # type: ignore[arg-type]
+    for e in requests[:10]:
         recorder.started(e.request_id, lambda e=e: e)
-    await asyncio.sleep(0.02)  # some opens are written, one batch is being written, the rest wait
+    await asyncio.sleep(0.02)  # their opens are written; the next ones gather while a batch is written
+    for e in requests[10:]:
+        recorder.started(e.request_id, lambda e=e: e)
+        await asyncio.sleep(0.0005)
     for e in requests:
         recorder.finished(e)
     await recorder.flush()
-    assert outbox.most == 3 and not recorder.unsaved
-    closed = [rid for kind, rid in outbox.writes if kind == "close"]
-    assert sorted(closed) == sorted(e.request_id for e in requests)
-    for kind, rid in outbox.writes:
+    assert outbox.most == 1 and not recorder.unsaved
+    writes = outbox.writes()
+    assert sorted(rid for kind, rid in writes if kind == "close") == sorted(e.request_id for e in requests)
+    assert len(outbox.batches) < len(requests)  # grouped
+    assert ("open", requests[0].request_id) in writes
+    for kind, rid in writes:
         if kind == "open":
-            assert outbox.writes.index(("open", rid)) < outbox.writes.index(("close", rid))
+            assert writes.count(("open", rid)) == 1
+            assert writes.index(("open", rid)) < writes.index(("close", rid))
 
 
-async def test_a_request_that_ends_before_its_open_had_a_turn_is_written_once():
+async def test_a_request_that_ends_before_its_open_was_written_is_written_once():
     outbox, requests = SlowOutbox(), events(5)
-    recorder = UsageRecorder(outbox, max_writes=1)  # type: ignore[arg-type]
-    recorder.started(requests[0].request_id, lambda: requests[0])
-    await asyncio.sleep(0)  # its open is writing
-    for e in requests[1:]:
+    recorder = UsageRecorder(outbox)  # type: ignore[arg-type]
+    for e in requests:
         recorder.started(e.request_id, lambda e=e: e)
     for e in requests:
         recorder.finished(e)
     await recorder.flush()
-    first = requests[0].request_id
-    assert outbox.writes[0] == ("open", first)  # the one that had its turn: opened, then closed
-    assert sorted(outbox.writes[1:]) == [("close", e.request_id) for e in requests]  # no other open written
+    assert outbox.batches == [([], [e.request_id for e in requests])]  # one write, no open
 
 
-def test_max_writes_must_be_positive():
-    with pytest.raises(ValueError, match="max_writes"):
-        UsageRecorder(SlowOutbox(), max_writes=0)  # type: ignore[arg-type]
+async def test_a_close_whose_write_failed_is_kept_and_written_later():
+    outbox, requests = SlowOutbox(fail=1), events(3)
+    recorder = UsageRecorder(outbox)  # type: ignore[arg-type]
+    for e in requests:
+        recorder.started(e.request_id, lambda e=e: e)
+        recorder.finished(e)
+    await asyncio.sleep(0.05)
+    assert sorted(recorder.unsaved) == sorted(e.request_id for e in requests) and outbox.batches == []
+    await recorder.flush()  # at shutdown, or at the next tick of `run`
+    assert not recorder.unsaved and outbox.batches == [([], [e.request_id for e in requests])]
+
+
+def test_batch_s_must_be_shorter_than_the_checkpoint_interval():
+    with pytest.raises(ValueError, match="batch_s"):
+        UsageRecorder(SlowOutbox(), checkpoint_s=1.0, batch_s=1.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="batch_s"):
+        UsageRecorder(SlowOutbox(), batch_s=-0.1)  # type: ignore[arg-type]

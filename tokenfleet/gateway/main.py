@@ -118,7 +118,7 @@ def add_metering(gateway: Gateway, config: FleetConfig, db: Database) -> None:
     """A usage event per request: the recorder keeps each request's outbox row, the shipper moves closed rows to
     the event log (the Redis Stream in a fleet, in memory embedded), the writer fills the warehouse table."""
     settings, outbox = config.metering, Outbox(db)
-    gateway.usage = UsageRecorder(outbox, settings.lease_s, settings.checkpoint_s)
+    gateway.usage = UsageRecorder(outbox, settings.lease_s, settings.checkpoint_s, settings.batch_s)
     if config.redis_url:
         event_log = RedisStreamLog.from_url(config.redis_url, settings.stream_key, settings.group)
     else:

@@ -11,13 +11,17 @@ from datetime import datetime, timedelta
 from typing import Sequence
 
 from sqlalchemy import bindparam, delete, func, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from tokenfleet.metering.event import UsageEvent
-from tokenfleet.metering.sql import insert_ignoring
+from tokenfleet.metering.sql import insert_ignoring, upsert_where
 from tokenfleet.store.db import Database
 from tokenfleet.store.models import UsageEventRow, UsageOutboxRow, utcnow
 
 OUTBOX = UsageOutboxRow.__table__
+STILL_OPEN = OUTBOX.c.lease_until.is_not(None)  # built once: part of the cached close statement's key
+CHECKPOINT = (OUTBOX.update().where(OUTBOX.c.request_id == bindparam("rid"), STILL_OPEN)
+              .values(payload=bindparam("body"), lease_until=bindparam("until")))
 
 
 class Outbox:
@@ -26,40 +30,35 @@ class Outbox:
 
     async def add(self, event: UsageEvent) -> bool:
         """Stores the event; False (and nothing written) when its request_id is already in the outbox."""
-        row = {"request_id": event.request_id, "payload": event.to_json(), "created_at": utcnow(), "sent_at": None,
-               "lease_until": None}
-        async with self.db.session() as session, session.begin():
-            return await insert_ignoring(session, OUTBOX, [row], key="request_id") == 1
+        async with self.db.engine.begin() as connection:
+            return await insert_ignoring(connection, OUTBOX, [_row(event, None)], key="request_id") == 1
 
     async def open(self, event: UsageEvent, lease_until: datetime) -> bool:
         """Opens the request's row with its provisional event; False when the request already has a row."""
-        row = {"request_id": event.request_id, "payload": event.to_json(), "created_at": utcnow(), "sent_at": None,
-               "lease_until": lease_until}
-        async with self.db.session() as session, session.begin():
-            return await insert_ignoring(session, OUTBOX, [row], key="request_id") == 1
+        async with self.db.engine.begin() as connection:
+            return await _open(connection, [event], lease_until) == 1
 
     async def checkpoint(self, events: Sequence[UsageEvent], lease_until: datetime) -> None:
         """Renews the leases of open rows and stores their counts so far (one statement for all of them)."""
         if not events:
             return
-        statement = (OUTBOX.update().where(OUTBOX.c.request_id == bindparam("rid"), OUTBOX.c.lease_until.is_not(None))
-                     .values(payload=bindparam("body"), lease_until=bindparam("until")))
         params = [{"rid": e.request_id, "body": e.to_json(), "until": lease_until} for e in events]
-        async with self.db.session() as session, session.begin():
-            await session.execute(statement, params)
+        async with self.db.engine.begin() as connection:
+            await connection.execute(CHECKPOINT, params)
 
     async def close(self, event: UsageEvent) -> bool:
         """Stores the final event and makes it shippable. False when the row was already closed (by a reaper that
         thought this gateway dead, or an earlier close): the first final word stands."""
-        statement = (update(UsageOutboxRow).where(UsageOutboxRow.request_id == event.request_id,
-                                                  UsageOutboxRow.lease_until.is_not(None))
-                     .values(payload=event.to_json(), lease_until=None))
-        async with self.db.session() as session, session.begin():
-            if (await session.execute(statement)).rowcount == 1:
-                return True
-            row = {"request_id": event.request_id, "payload": event.to_json(), "created_at": utcnow(),
-                   "sent_at": None, "lease_until": None}
-            return await insert_ignoring(session, OUTBOX, [row], key="request_id") == 1
+        async with self.db.engine.begin() as connection:
+            return await _close(connection, [event]) == 1
+
+    async def write(self, opens: Sequence[UsageEvent], closes: Sequence[UsageEvent], lease_until: datetime) -> None:
+        """Opens and closes of many requests in one transaction, as `open` and `close` each would (the recorder's
+        group commit). A request in both is only closed."""
+        closing = {e.request_id for e in closes}
+        async with self.db.engine.begin() as connection:
+            await _open(connection, [e for e in opens if e.request_id not in closing], lease_until)
+            await _close(connection, closes)
 
     async def reap(self, now: datetime | None = None) -> int:
         """Closes rows whose lease ran out (their gateway died) as failed, with their last counts. Returns how
@@ -118,3 +117,21 @@ class Outbox:
                      .values(sent_at=None))
         async with self.db.session() as session, session.begin():
             return (await session.execute(statement)).rowcount
+
+
+def _row(event: UsageEvent, lease_until: datetime | None) -> dict:
+    return {"request_id": event.request_id, "payload": event.to_json(), "created_at": utcnow(), "sent_at": None,
+            "lease_until": lease_until}
+
+
+async def _open(connection: AsyncConnection, events: Sequence[UsageEvent], lease_until: datetime) -> int:
+    """Inserts open rows (a request that already has a row keeps it); returns how many were new."""
+    return await insert_ignoring(connection, OUTBOX, [_row(e, lease_until) for e in events], key="request_id")
+
+
+async def _close(connection: AsyncConnection, events: Sequence[UsageEvent]) -> int:
+    """One upsert: an open row gets its final event, a missing one is inserted closed, a closed one is left as it
+    is. Returns how many this call closed."""
+    finals = {e.request_id: _row(e, None) for e in events}  # one row per request: a statement updates a row once
+    return await upsert_where(connection, OUTBOX, list(finals.values()), key="request_id",
+                              update=("payload", "lease_until"), only_if=STILL_OPEN)

@@ -123,3 +123,10 @@ def test_the_forecast_is_the_workloads_curve_without_its_bursts() -> None:
     curve = forecast_from_workload(spec, 0.9)
     assert curve.rate(PEAK_S) == pytest.approx(5 * 1.8 * 0.9)
     assert curve.rate(0) == pytest.approx(5 * 0.2 * 0.9, rel=1e-6)
+
+
+def test_an_autoscaled_run_is_the_same_for_the_same_seed() -> None:
+    raw = {**DAY, "duration_s": 200, "workload": {**DAY["workload"], "diurnal_period_s": 200, "peak_at_s": 100}}
+    first, again = _run("forecast", raw), _run("forecast", raw)
+    assert first.records == again.records and first.gpu_hours == again.gpu_hours
+    assert first.fleet.metrics.rows() == again.fleet.metrics.rows()

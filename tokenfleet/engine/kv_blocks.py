@@ -38,7 +38,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: bytes | None = None
-    token_ids: tuple[int, ...] = ()  # kept for the collision check on a hit
+    token_ids: Sequence[int] = ()  # kept for the collision check on a hit (a list: compared with a list slice)
 
 
 class KVBlockManager:
@@ -100,8 +100,9 @@ class KVBlockManager:
                 self.cached[key] = block.block_id
         req.num_cached_blocks = max(req.num_cached_blocks, num_full)
 
-    def _block_tokens(self, req: Request, i: int) -> tuple[int, ...]:
-        return tuple(req.token_ids[i * self.block_size:(i + 1) * self.block_size])
+    def _block_tokens(self, req: Request, i: int) -> list[int]:
+        """A copy of the request's i-th block of tokens (a list slice: one copy, compared element by element)."""
+        return req.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
     # --- allocation ---------------------------------------------------------------------------------------
 

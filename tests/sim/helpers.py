@@ -56,15 +56,20 @@ def make_requests(seed: int, n: int, rate: float, shared: int = 256, priorities=
 
 
 def run_replica(requests: list[SimRequest], num_blocks: int = 400, fast: bool = True, host_blocks: int = 200,
-                max_num_seqs: int = 32, budget: int = 512, swap_threshold: int = 128, at_once: bool = False):
-    """Runs the requests on one replica; at_once: all queued before the first step (an offline batch)."""
+                max_num_seqs: int = 32, budget: int = 512, swap_threshold: int = 128, at_once: bool = False,
+                runs: bool = True, before=None):
+    """Runs the requests on one replica; at_once: all queued before the first step (an offline batch); runs:
+    runs of parked steps as one event; before(events, replica): called before the run (to schedule probes)."""
     clock = SimClock()
     events = EventQueue(clock)
     sink = Collect()
     spec = ReplicaSpec(num_blocks=num_blocks, num_host_blocks=host_blocks,
                        scheduler=SchedulerConfig(max_num_seqs, budget, swap_threshold))
     replica = SimReplica("r0", spec, COST, events, sink, fast=fast)
+    replica.runs = runs
     sink.replica = replica
+    if before is not None:
+        before(events, replica)
     if at_once:
         events.at(0.0, replica.add_many, requests)
     for sreq in requests:

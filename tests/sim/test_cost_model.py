@@ -1,6 +1,8 @@
 """The cost model against hand calculations (numbers worked out in the comments)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tokenfleet.sim.cost_model import CostModel, StepBatch, kv_cache_blocks, roofline
@@ -63,3 +65,12 @@ def test_bad_tensor_parallel_and_unknown_gpu_are_refused() -> None:
         kv_cache_blocks(LLAMA_70B, hardware("h100"), "fp8", "fp16", tp=3, block_size=16)
     with pytest.raises(ValueError, match="unknown GPU"):
         hardware("a100")
+
+
+@pytest.mark.parametrize("combine", ["max", "sum"])
+def test_decode_times_are_decode_time_step_by_step(combine: str) -> None:
+    coefficients = roofline(LLAMA_70B, hardware("h100"), "fp8", "fp16", 8)
+    model = CostModel(dataclasses.replace(coefficients, combine=combine))
+    times = model.decode_times(37, 40_000, 37, 500)  # contexts grow by one token per sequence per step
+    assert times == [model.decode_time(37, 40_000 + 37 * k) for k in range(500)]  # the same floats
+    assert times[-1] > times[0]

@@ -71,3 +71,49 @@ def test_same_steps_and_preemptions_as_the_real_engine_on_an_offline_batch(demo_
     assert replica.scheduler.num_preemptions == engine.scheduler.num_preemptions
     assert replica.steps == engine.stats.steps
     assert sink.finished_step == finished_at
+
+
+def _probe_every(interval: float, until: float, seen: list):
+    """Schedules report() calls (what the router's load poll reads) every `interval` simulated seconds."""
+    def before(events, replica):
+        def probe():
+            state = replica.report()
+            seen.append((round(events.clock.now, 9), state.running, state.waiting, state.queued_tokens,
+                         round(state.kv_usage, 12), replica.steps, round(replica.busy_s, 9)))
+            if events.clock.now + interval < until:
+                events.after(interval, probe)
+        events.at(0.0, probe)
+    return before
+
+
+@pytest.mark.parametrize("seed, rate, blocks, events_ratio", [
+    (5, 6, 2000, 0.5),  # light load: long runs between arrivals
+    (6, 25, 350, 0.9),  # KV-short and busy: runs are cut by arrivals and by steps that may preempt
+])
+def test_runs_of_parked_steps_give_the_same_results_with_fewer_events(seed, rate, blocks, events_ratio) -> None:
+    runs, events = [], []
+    for as_runs in (False, True):
+        seen: list = []
+        replica, sink = run_replica(make_requests(seed, 150, rate), num_blocks=blocks, runs=as_runs,
+                                    before=_probe_every(0.37, 60.0, seen))
+        runs.append((sink.done, _histogram(sink.gaps), replica.steps, replica.scheduler.num_preemptions, seen))
+        events.append(replica.events.processed)
+    assert runs[0] == runs[1]  # results, every gap, and what report() showed mid-run, all the same
+    assert len(runs[1][0]) == 150 and len(runs[1][4]) > 100
+    assert events[1] < events[0] * events_ratio
+
+
+def test_an_arrival_during_a_run_is_admitted_at_the_next_step() -> None:
+    def two():
+        first, second = make_requests(7, 2, 1.0)
+        first.arrival, second.arrival = 0.0, 0.5  # the first decodes alone by then: a run, cut by the second
+        first.cancel_after = second.cancel_after = None
+        return [first, second]
+    assert len(two()[0].output) > 100  # long enough that 0.5 s falls inside its decode
+    results = []
+    for as_runs in (True, False):
+        requests = two()
+        replica, sink = run_replica(requests, num_blocks=2000, runs=as_runs)
+        results.append((sink.done, replica.steps, replica.events.processed))
+    assert results[0][:2] == results[1][:2]
+    assert results[0][2] < results[1][2]

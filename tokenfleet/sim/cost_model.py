@@ -86,6 +86,24 @@ class CostModel:
         return (c.overhead_s + c.per_sequence_s * sequences + core + c.allreduce_per_step_s
                 + c.allreduce_per_token_s * sequences)
 
+    def decode_times(self, sequences: int, contexts: int, growth: int, count: int) -> list[float]:
+        """decode_time(sequences, contexts + k x growth) for k = 0 .. count - 1: the steps of a run of decodes
+        (the same arithmetic, so the same floats, as one call per step)."""
+        c = self.c
+        fixed = c.overhead_s + c.per_sequence_s * sequences
+        per_token, pair, weights, kv = c.per_token_s * sequences, c.per_attention_pair_s, c.weights_s, c.per_kv_token_s
+        tail = c.allreduce_per_step_s
+        allreduce = c.allreduce_per_token_s * sequences
+        use_max = c.combine == "max"
+        times = []
+        for k in range(count):
+            ctx = contexts + k * growth
+            compute = per_token + pair * ctx
+            memory = weights + kv * ctx
+            core = (compute if compute > memory else memory) if use_max else compute + memory
+            times.append(fixed + core + tail + allreduce)
+        return times
+
     def decode_step_time(self, batch_size: int, context: int) -> float:
         """One all-decode step: batch_size sequences, each with `context` tokens before the new one."""
         batch = StepBatch()

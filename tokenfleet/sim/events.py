@@ -22,6 +22,7 @@ class EventQueue:
         self._heap: list[tuple[float, int, Callable, tuple]] = []
         self._seq = 0
         self.processed = 0
+        self.stop_hooks: list[Callable[[], None]] = []  # called when run() returns: lazy state brought up to now
 
     def at(self, when: float, callback: Callable, *args) -> None:
         """Runs callback(*args) at simulated time `when` (never in the past)."""
@@ -44,3 +45,5 @@ class EventQueue:
             self.processed += 1
         if until is not None and clock.now < until:
             clock.now = until
+        for hook in self.stop_hooks:
+            hook()

@@ -2,6 +2,7 @@
 policy picks a replica, replicas step their real schedulers, and answers bring the next turn after a pause."""
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from tokenfleet.config import TierConfig
@@ -171,6 +172,12 @@ class Fleet:
     def inter_tokens(self, gap_s: float, per_tier: dict[str, int]) -> None:
         if self.clock.now >= self.setup.warmup_s:
             self.metrics.inter_tokens(gap_s, per_tier)
+
+    def inter_token_gaps(self, gaps_s: list[float], ends: list[float], per_tier: dict[str, int]) -> None:
+        """Several steps' gaps for the same decodes (a replica's run of parked steps), step i ending at ends[i]."""
+        skip = bisect.bisect_left(ends, self.setup.warmup_s) if ends and ends[0] < self.setup.warmup_s else 0
+        if skip < len(gaps_s):
+            self.metrics.inter_tokens_many(gaps_s[skip:], per_tier)
 
     def _load_tick(self) -> None:
         queued = sum(r.report().queued_tokens for r in self.replicas)

@@ -135,6 +135,25 @@ class Metrics:
     def inter_token(self, tier: str, gap: float, count: int) -> None:
         self.tier(tier).itl.add(gap, count)
 
+    def inter_tokens_many(self, gaps: list[float], per_tier: dict[str, int]) -> None:
+        """inter_tokens for each gap in turn (a run of steps with the same decodes)."""
+        counts: dict[int, int] = {}
+        low, high, index = self._last_bin
+        for gap in gaps:
+            if not low <= gap < high or gap <= 1e-9:
+                index = bin_index(gap)
+                low, high = math.exp(index * BIN), math.exp((index + 1) * BIN)
+            counts[index] = counts.get(index, 0) + 1
+        self._last_bin = (low, high, index)
+        total = sum(gaps)
+        for tier, count in per_tier.items():
+            if count:
+                hist = self.tier(tier).itl
+                for i, n in counts.items():
+                    hist.bins[i] = hist.bins.get(i, 0) + n * count
+                hist.count += len(gaps) * count
+                hist.total += total * count
+
     def inter_tokens(self, gap: float, per_tier: dict[str, int]) -> None:
         """One step's gap for many decodes (the hot path: one call per replica step)."""
         low, high, index = self._last_bin

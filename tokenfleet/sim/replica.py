@@ -13,9 +13,19 @@ changes, not to the batch. Parked requests rejoin the scheduler (a full step) wh
 involve them: the token budget or blocks may run short (so it might preempt), or a queued request of a higher class
 might need room that only preempting them could make. The result is the same as running every step in full, up to
 which free block each request receives within one step (tests/sim check results are identical both ways).
+
+Runs of parked steps. When a step has only parked decodes and nothing queued or running besides them, the steps
+that follow are the same kind until a parked request finishes, a step's block takes could outrun the free blocks,
+or something arrives from outside (a request, a cancellation). Their durations are then known in advance, so the
+replica schedules one event for the whole run instead of one per step; each step's block takes, prefix-cache
+registrations, step counters and inter-token gap are applied, in step order and at the step's own time, when
+something looks (report(), steps, busy_s) or when the run ends. An arrival or a cancellation during a run cuts it
+at the step in progress, which ends as it would have, so the result is the same as stepping one by one.
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import operator
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -57,6 +67,10 @@ class ReplicaSink(Protocol):
     def inter_tokens(self, gap_s: float, per_tier: dict[str, int]) -> None:
         """One step's gap for every parked decode: count per tier."""
 
+    # optional: inter_token_gaps(gaps_s: list[float], ends: list[float], per_tier: dict[str, int]) -> None
+    # several steps' gaps at once (a run of parked steps), step i ending at simulated time ends[i]; a sink
+    # without it gets inter_tokens once per step, with the clock at the step's end
+
 
 @dataclass(eq=False)
 class _Parked:
@@ -75,6 +89,23 @@ class _Parked:
 _rank = operator.attrgetter("rank")
 
 
+@dataclass(eq=False)
+class _Run:
+    """Steps first..last of parked decodes only, scheduled as one event (see the module's docstring)."""
+
+    first: int
+    last: int
+    starts: list[float]  # starts[k - first]: when step k begins; starts[-1]: when the last one ends
+    durations: list[float]
+    begun: int = 0  # steps up to this one have had their start applied (takes, counters)
+    ended: int = 0  # ... and up to this one their end (registrations, inter-token gap)
+    generation: int = 0
+
+    def step_at(self, now: float) -> int:
+        """The step in progress at `now` (a step ending exactly now has ended)."""
+        return min(self.first + bisect.bisect_right(self.starts, now) - 1, self.last)
+
+
 class SimReplica:
     def __init__(self, name: str, spec: ReplicaSpec, cost: CostModel, events: EventQueue, sink: ReplicaSink,
                  fast: bool = True) -> None:
@@ -86,9 +117,14 @@ class SimReplica:
         self.state = ReplicaState(name)
         self.step_no = 0
         self.busy = False
-        self.busy_s = 0.0
-        self.steps = 0
+        self._busy_s = 0.0
+        self._steps = 0
         self.full_steps = 0
+        self.runs = True  # runs of parked steps as one event (fast only)
+        self._run: _Run | None = None
+        self._generation = 0
+        self._gaps_sink = getattr(sink, "inter_token_gaps", None)
+        events.stop_hooks.append(self.sync)  # a run in progress when the simulation stops is applied up to then
         self.parked: dict[Request, _Parked] = {}
         self.parked_by_class: dict[int, dict[Request, _Parked]] = {}
         self.parked_per_tier: dict[str, int] = {}
@@ -123,12 +159,16 @@ class SimReplica:
         req.block_hashes = sreq.hashes  # known keys (the answer is predetermined): the sim does not hash twice
         req.sim = sreq  # type: ignore[attr-defined]
         sreq.req, sreq.replica = req, self.name
+        if self._run is not None:
+            self._cut_run()
         self.scheduler.add(req)
         if not self.busy:
             self._begin_step()
 
     def abort(self, sreq: SimRequest) -> None:
         """Cancels between steps, as the async engine does."""
+        if self._run is not None:
+            self._cut_run()
         if self.busy:
             self._aborts.append(sreq)
         else:
@@ -145,8 +185,21 @@ class SimReplica:
     def has_work(self) -> bool:
         return bool(self.parked) or self.scheduler.has_work()
 
+    @property
+    def steps(self) -> int:
+        """Engine steps begun so far."""
+        self.sync()
+        return self._steps
+
+    @property
+    def busy_s(self) -> float:
+        """Simulated seconds of the steps begun so far."""
+        self.sync()
+        return self._busy_s
+
     def report(self) -> ReplicaState:
         """The load report the router reads (what GET /load returns), into self.state."""
+        self.sync()
         s, sched = self.state, self.scheduler
         s.running = len(sched.running) + len(self.parked)
         s.waiting = len(sched.queue)
@@ -165,23 +218,44 @@ class SimReplica:
                 self._unpark_all()
             else:
                 self._unpark_classes_at_risk(len(takes))
-            # which free block each gets does not matter (results are the same up to block relabelling)
-            grow, offset = self.blocks.grow, s - 2
-            for p in list(takes.values()):
-                p.req.num_computed_tokens = p.base_tokens + offset - p.base_step
-                grow(p.req, 1)
+            self._take_blocks(s)
         out = self._schedule()
         if out.chunks or out.swap_in or out.swap_out or not self.parked:
             duration = self.cost.step_time(self._batch(out, s))
         else:  # only parked decodes: the same arithmetic without building the batch
-            n = len(self.parked)
-            duration = self.cost.decode_time(n, self._position_sum_base + n * s + n)
+            duration = self._parked_step_time(s)
+            if self.runs and not self.scheduler.has_work() and self._begin_run(s, duration):
+                return
         sampling = [c for c in out.chunks if c.samples] if out.chunks else out.chunks
         self._step = (s, out, sampling, duration)
         self.busy = True
-        self.steps += 1
-        self.busy_s += duration
+        self._steps += 1
+        self._busy_s += duration
         self.events.after(duration, self._end_step)
+
+    def _take_blocks(self, step: int) -> None:
+        """The blocks parked requests start in `step` (which free block each gets does not matter: results are
+        the same up to block relabelling)."""
+        takes = self._takes[step % self.spec.block_size]
+        if takes:
+            grow, offset = self.blocks.grow, step - 2
+            for p in list(takes.values()):
+                p.req.num_computed_tokens = p.base_tokens + offset - p.base_step
+                grow(p.req, 1)
+
+    def _register_blocks(self, step: int) -> None:
+        """The blocks parked requests fill in `step`, registered in the prefix cache in the scheduler's order (the
+        first to register a key wins, should two blocks share it)."""
+        registers = self._registers[step % self.spec.block_size]
+        if registers:
+            cache_full_blocks, offset = self.blocks.cache_full_blocks, step - 1
+            for p in (sorted(registers.values(), key=_rank) if len(registers) > 1 else registers.values()):
+                p.req.num_computed_tokens = p.base_tokens + offset - p.base_step
+                cache_full_blocks(p.req)
+
+    def _parked_step_time(self, step: int) -> float:
+        n = len(self.parked)
+        return self.cost.decode_time(n, self._position_sum_base + n * step + n)
 
     def _schedule(self) -> SchedulerOutput:
         sched = self.scheduler
@@ -209,12 +283,7 @@ class SimReplica:
     def _end_step(self) -> None:
         s, out, sampling, duration = self._step
         now = self.events.clock.now
-        registers = self._registers[s % self.spec.block_size]
-        if registers:  # in the scheduler's order: the first to register a key wins, should two blocks share it
-            cache_full_blocks, offset = self.blocks.cache_full_blocks, s - 1
-            for p in (sorted(registers.values(), key=_rank) if len(registers) > 1 else registers.values()):
-                p.req.num_computed_tokens = p.base_tokens + offset - p.base_step
-                cache_full_blocks(p.req)
+        self._register_blocks(s)
         self.scheduler.update(out)
         if self.parked:
             self.sink.inter_tokens(duration, self.parked_per_tier)
@@ -253,6 +322,104 @@ class SimReplica:
         sreq.tokens_out, sreq.preemptions = req.num_output_tokens, req.num_preemptions
         sreq.cached_tokens = max(req.num_cached_tokens, 0)
         self.sink.finished(sreq, now, reason)
+
+    # --- runs of parked steps ------------------------------------------------------------------------------
+
+    def _begin_run(self, step: int, duration: float) -> bool:
+        """Step `step` has only parked decodes and nothing else to do: it and the steps like it that follow are
+        scheduled as one event. False when no step would follow (the step then runs on its own)."""
+        last = self._run_end(step)
+        if last == step:
+            return False
+        n = len(self.parked)
+        durations = [duration] + self.cost.decode_times(n, self._position_sum_base + n * (step + 1) + n, n,
+                                                        last - step)
+        starts = list(itertools.accumulate(durations, initial=self.events.clock.now))  # as events one by one
+        self._generation += 1
+        self._run = _Run(step, last, starts, durations, step, step - 1, self._generation)
+        self.busy = True
+        self._steps += 1
+        self._busy_s += duration
+        self.events.at(starts[-1], self._end_run, self._generation)
+        return True
+
+    def _run_end(self, step: int) -> int:
+        """The run's last step: the first parked request's last token, or the step before one whose block takes
+        could find too few free blocks (the scheduler might preempt then: that step runs in full)."""
+        finish = min(self._finishes)
+        counts = [len(takes) for takes in self._takes]
+        bs, free = self.spec.block_size, self.blocks.num_free_blocks
+        for k in range(step + 1, finish + 1):
+            need = counts[k % bs]
+            if need > free:
+                return k - 1
+            free -= need
+        return finish
+
+    def sync(self) -> None:
+        """Applies what the current run's steps did by now (a no-op outside a run)."""
+        run = self._run
+        if run is not None:
+            self._advance(run, run.step_at(self.events.clock.now))
+
+    def _advance(self, run: _Run, current: int) -> None:
+        """Applies the run's steps before `current` and the start of `current`, in step order."""
+        first = run.ended + 1
+        takes, registers, bs = self._takes, self._registers, self.spec.block_size
+        for k in range(first, current):
+            if k > run.begun:
+                self._start_run_step(run, k) if takes[k % bs] else self._count_run_step(run, k)
+            if registers[k % bs]:
+                self._register_blocks(k)
+        if current > first:
+            self._report_gaps(run, first, current)
+            self.step_no = run.ended = current - 1
+        if current > run.begun:
+            self._start_run_step(run, current)
+
+    def _start_run_step(self, run: _Run, step: int) -> None:
+        self._take_blocks(step)
+        self._count_run_step(run, step)
+
+    def _count_run_step(self, run: _Run, step: int) -> None:
+        self._steps += 1
+        self._busy_s += run.durations[step - run.first]
+        run.begun = step
+
+    def _report_gaps(self, run: _Run, first: int, end: int) -> None:
+        """The inter-token gaps of the run's steps first .. end - 1, for every parked decode."""
+        i, j = first - run.first, end - run.first
+        if self._gaps_sink is not None:
+            self._gaps_sink(run.durations[i:j], run.starts[i + 1:j + 1], self.parked_per_tier)
+            return
+        clock = self.events.clock
+        now = clock.now
+        for k in range(i, j):  # one call per step, the sink seeing the time it would have seen
+            clock.now = run.starts[k + 1]
+            self.sink.inter_tokens(run.durations[k], self.parked_per_tier)
+        clock.now = now
+
+    def _cut_run(self) -> None:
+        """Something arrives: the run ends with the step in progress (the next step begins as usual)."""
+        run = self._run
+        current = run.step_at(self.events.clock.now)
+        self._advance(run, current)
+        if current < run.last:
+            keep = current - run.first + 1
+            del run.durations[keep:], run.starts[keep + 1:]
+            run.last = current
+            self._generation += 1
+            run.generation = self._generation
+            self.events.at(run.starts[-1], self._end_run, run.generation)
+
+    def _end_run(self, generation: int) -> None:
+        run = self._run
+        if run is None or run.generation != generation:  # a run cut short: its first end event is void
+            return
+        self._advance(run, run.last)
+        self._run = None
+        self._step = (run.last, SchedulerOutput(), [], run.durations[-1])
+        self._end_step()
 
     # --- parked decodes -----------------------------------------------------------------------------------
 

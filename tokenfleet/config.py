@@ -39,6 +39,8 @@ class EngineConfig:
     watermark: float = 0.01  # fraction of blocks kept free when admitting, headroom for running sequences
     enable_prefix_caching: bool = True
     skip_tokenizer_init: bool = False
+    threads: int = 0  # PyTorch threads; 0 = auto (servers: every usable core but one; offline: PyTorch's default)
+    engine_process: bool = True  # servers: the engine steps in its own process, not on a thread beside the HTTP loop
 
     @classmethod
     def from_options(cls, model: str, **options) -> "EngineConfig":

@@ -16,6 +16,7 @@ from typing import AsyncIterator
 from tokenfleet.config import EngineConfig
 from tokenfleet.engine.engine import Engine, RequestOutput
 from tokenfleet.engine.request import SamplingParams
+from tokenfleet.engine.state import EngineState
 
 log = logging.getLogger(__name__)
 
@@ -29,28 +30,35 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
-class AsyncEngine:
-    def __init__(self, config: EngineConfig | None = None, engine: Engine | None = None) -> None:
-        self.engine = engine or Engine(config)
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wakeup = threading.Event()
+def put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    """On the consumer's loop: a whole step's outputs into their requests' queues (one wake-up for all)."""
+    for queue_, output in batch:
+        queue_.put_nowait(output)
+
+
+class StreamingEngine:
+    """What both front doors share (AsyncEngine here, EngineProcess): each request's outputs go into its own
+    asyncio queue on the consumer's loop; subclasses say how a command reaches the engine (`_send`)."""
+
+    id_prefix = "async"
+
+    def __init__(self) -> None:
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="tokenfleet-engine", daemon=True)
-        self._thread.start()
 
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+    def _new_stream(self) -> _Stream:
+        return _Stream(asyncio.get_running_loop(), asyncio.Queue())
+
+    def _send(self, command: tuple) -> None:
+        raise NotImplementedError
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs; leaving the iteration early (or being cancelled) aborts the request.
 
         Raises ValueError for a bad request (before any output)."""
-        request_id = request_id or f"async-{next(self._ids)}"
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        request_id = request_id or f"{self.id_prefix}-{next(self._ids)}"
+        stream = self._new_stream()
         self._streams[request_id] = stream
         self._send(("add", request_id, prompt, params, priority))
         finished = False
@@ -68,6 +76,31 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
+
+
+class AsyncEngine(StreamingEngine):
+    def __init__(self, config: EngineConfig | None = None, engine: Engine | None = None) -> None:
+        super().__init__()
+        self.engine = engine or Engine(config)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="tokenfleet-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        self.engine.validate(token_ids, params)
+
+    def state(self) -> EngineState:
+        return EngineState.of(self.engine)
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -91,10 +124,18 @@ class AsyncEngine:
                 log.exception("engine step crashed")
                 self._fail_all(e)
                 continue
-            for output in outputs:
-                stream = self._streams.get(output.request_id)
-                if stream is not None:
-                    stream.put(output)
+            self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hands a step's outputs over with one wake-up per consumer loop, not one per request: each wake-up
+        is a self-pipe write and a GIL hand-off that the next step would otherwise wait behind."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                batches.setdefault(stream.loop, []).append((stream.queue, output))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(put_all, batch)
 
     def _fail_all(self, error: Exception) -> None:
         for request_id, stream in list(self._streams.items()):

@@ -9,6 +9,7 @@ import operator
 from dataclasses import dataclass, field
 from tokenfleet.config import EngineConfig
 from tokenfleet.engine.kv_blocks import KVBlockManager
+from tokenfleet.engine.limits import EngineLimits
 from tokenfleet.engine.request import Request, SamplingParams, TokenLogprob
 from tokenfleet.engine.runner import ModelRunner
 from tokenfleet.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -88,6 +89,8 @@ class Engine:
         self.tracked: dict[str, _Tracked] = {}
         self.stats = StepStats()
         self._ids = itertools.count()
+        self.limits = EngineLimits(self.model_config.vocab_size, self.max_model_len, config.block_size,
+                                   self.blocks.num_blocks, self.blocks.watermark_blocks, self.tokenizer is not None)
 
     @staticmethod
     def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -132,26 +135,7 @@ class Engine:
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError naming what makes this request impossible to serve (safe from any thread)."""
-        vocab = self.model_config.vocab_size
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need the tokenizer; this engine runs without one")
-        if not token_ids:
-            raise ValueError("the prompt is empty: it must contain at least one token")
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        n, limit = len(token_ids), self.max_model_len
-        if n >= limit:
-            raise ValueError(f"the prompt has {n} tokens, but this model's maximum context length is {limit} "
-                             f"tokens (prompt plus at least one generated token)")
-        if params.max_tokens is not None and n + params.max_tokens > limit:
-            raise ValueError(f"this model's maximum context length is {limit} tokens; you requested "
-                             f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} to generate)")
-        needed = self.blocks.blocks_for(n + (params.max_tokens or limit - n))
-        capacity = self.blocks.num_blocks - self.blocks.watermark_blocks
-        if needed > capacity:
-            raise ValueError(f"the request needs {needed} KV cache blocks, but the cache holds {capacity}; "
-                             f"lower max_tokens or give the KV cache more memory")
+        self.limits.validate(token_ids, params)
 
     def abort(self, request_id: str) -> bool:
         """Cancels a request in any state; its blocks are freed now. Returns False if it is unknown or done."""

@@ -12,7 +12,12 @@ Prompt = str | dict
 
 class LLM:
     def __init__(self, model: str, **engine_options) -> None:
-        self.engine = Engine(EngineConfig.from_options(model, **engine_options))
+        config = EngineConfig.from_options(model, **engine_options)
+        if config.threads > 0:
+            import torch
+
+            torch.set_num_threads(config.threads)
+        self.engine = Engine(config)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

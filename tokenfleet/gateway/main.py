@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from tokenfleet.api.http import configure_logging, run_http
 from tokenfleet.autoscale.service import add_autoscaler
 from tokenfleet.config import EngineConfig, FleetConfig, TierConfig, engine_config_from_args
-from tokenfleet.engine.async_engine import AsyncEngine
+from tokenfleet.engine.engine_process import start_engine
 from tokenfleet.dispatch.overload import OverloadLadder
 from tokenfleet.dispatch.queue import Dispatcher
 from tokenfleet.billing.routes import add_usage_routes
@@ -30,7 +30,6 @@ from tokenfleet.metering import MemoryLog, Outbox, OutboxShipper, RedisStreamLog
 from tokenfleet.metering.recorder import UsageRecorder
 from tokenfleet.model.config import ModelConfig
 from tokenfleet.model.tokenizer import Tokenizer
-from tokenfleet.replica.metrics import load_report
 from tokenfleet.quota.base import QuotaService
 from tokenfleet.quota.failover import FailoverQuota
 from tokenfleet.quota.memory import MemoryQuota
@@ -224,9 +223,9 @@ def serve_embedded(args: argparse.Namespace) -> None:
         args.model = str(demo_checkpoint())
     engine_config: EngineConfig = engine_config_from_args(args)
     name = args.served_model_name or Path(engine_config.model).resolve().name
-    engine = AsyncEngine(engine_config)
+    engine = start_engine(engine_config)
     service = ReplicaService(engine, name)
-    info = ModelInfo(name, engine.tokenizer, engine.engine.max_model_len)
+    info = ModelInfo(name, engine.tokenizer, engine.max_model_len)
     config = embedded_config(args, name, engine_config.model)
     local = InProcessUpstream(service)
     gateway, store = build_gateway(config, {name: info}, lambda url, replica, kind: local,
@@ -236,7 +235,7 @@ def serve_embedded(args: argparse.Namespace) -> None:
     install_admin = admin_routes(gateway, store, config)
 
     def replica_routes(app: FastAPI) -> None:
-        app.get("/load")(lambda: load_report(engine.engine))
+        app.get("/load")(lambda: engine.state().load)
         install_admin(app)
 
     if args.auth:

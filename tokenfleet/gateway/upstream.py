@@ -11,7 +11,6 @@ import httpx
 
 from tokenfleet.api.errors import APIError
 from tokenfleet.gateway.stream_client import StreamClient, UpstreamError
-from tokenfleet.replica.metrics import load_report
 from tokenfleet.replica.server import ReplicaService
 from tokenfleet.router.load import LoadReport, fetch_load
 
@@ -38,7 +37,7 @@ class InProcessUpstream:
             yield chunk
 
     async def load(self) -> LoadReport:
-        report = load_report(self.service.engine.engine)
+        report = self.service.engine.state().load
         return LoadReport(report["running"], report["waiting"] + report["swapped"], report["queued_prefill_tokens"],
                           report["kv_usage"], time.monotonic())
 

@@ -24,7 +24,7 @@ from fastapi import FastAPI
 
 from tokenfleet.api.http import configure_logging, run_http
 from tokenfleet.config import engine_config_from_args
-from tokenfleet.engine.async_engine import AsyncEngine
+from tokenfleet.engine.engine_process import start_engine
 from tokenfleet.replica.server import create_app
 from tokenfleet.router.registry import RegistryKeys, ReplicaAnnouncer, ReplicaRecord
 
@@ -38,7 +38,7 @@ def serve_replica(args: argparse.Namespace) -> None:
     config = engine_config_from_args(args)
     name = args.served_model_name or Path(config.model).resolve().name
     registration = registration_from_args(args, name) if getattr(args, "register", None) else None
-    engine = AsyncEngine(config)
+    engine = start_engine(config)
     app = create_app(engine, name)
     if registration is not None:
         attach_registration(app, registration)

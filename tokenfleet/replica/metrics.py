@@ -2,34 +2,20 @@
 and the /load report the router reads."""
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from tokenfleet.engine.engine import Engine
-from tokenfleet.engine.request import RequestStatus
+from tokenfleet.engine.state import EngineState, load_report  # noqa: F401  (load_report: the replica's /load)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                    80.0, 160.0)
 
 
-def load_report(engine: Engine) -> dict:
-    """What the router needs to place the next request: work in flight and memory pressure."""
-    running = list(engine.scheduler.running)
-    queued = list(engine.scheduler.queue)
-    return {
-        "running": len(running),
-        "waiting": sum(1 for r in queued if r.status is RequestStatus.WAITING),
-        "swapped": sum(1 for r in queued if r.status is RequestStatus.SWAPPED),
-        "queued_prefill_tokens": sum(r.num_uncomputed_tokens for r in queued)
-        + sum(r.num_uncomputed_tokens for r in running if r.num_uncomputed_tokens > 1),
-        "kv_usage": round(engine.blocks.usage(), 4),
-        "num_blocks": engine.blocks.num_blocks,
-    }
-
-
 class ReplicaMetrics:
-    def __init__(self, engine: Engine, model_name: str) -> None:
-        self.engine = engine
+    def __init__(self, state: Callable[[], EngineState], model_name: str) -> None:
+        """state: the engine's latest EngineState (AsyncEngine.state or EngineProcess.state)."""
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         self.labels = {"model_name": model_name}
@@ -37,10 +23,11 @@ class ReplicaMetrics:
         def gauge(name: str, doc: str, fn) -> None:
             Gauge(name, doc, labels, registry=self.registry).labels(**self.labels).set_function(fn)
 
-        gauge("vllm:num_requests_running", "Requests in the running batch.", lambda: len(engine.scheduler.running))
-        gauge("vllm:num_requests_waiting", "Requests waiting or swapped out.", lambda: len(engine.scheduler.queue))
-        gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", engine.blocks.usage)
-        self.registry.register(_SchedulerCounters(engine, model_name))
+        gauge("vllm:num_requests_running", "Requests in the running batch.", lambda: state().load["running"])
+        gauge("vllm:num_requests_waiting", "Requests waiting or swapped out.",
+              lambda: (load := state().load)["waiting"] + load["swapped"])
+        gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", lambda: state().load["kv_usage"])
+        self.registry.register(_SchedulerCounters(state, model_name))
         histogram = dict(labelnames=labels, registry=self.registry, buckets=LATENCY_BUCKETS)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", **histogram)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", **histogram)
@@ -70,24 +57,24 @@ class ReplicaMetrics:
 class _SchedulerCounters:
     """Counters the scheduler keeps, read at scrape time (exposed as vLLM's *_total counters)."""
 
-    def __init__(self, engine: Engine, model_name: str) -> None:
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, state: Callable[[], EngineState], model_name: str) -> None:
+        self.state, self.model_name = state, model_name
 
     def collect(self):
-        scheduler = self.engine.scheduler
+        state = self.state()
         for name, doc, value in (
                 ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                 scheduler.prefix_cache_queries),
-                ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", scheduler.prefix_cache_hits),
-                ("vllm:num_preemptions", "Preemptions.", scheduler.num_preemptions)):
+                 state.prefix_cache_queries),
+                ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", state.prefix_cache_hits),
+                ("vllm:num_preemptions", "Preemptions.", state.num_preemptions)):
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
-        yield self._step_time()
+        yield self._step_time(state)
 
-    def _step_time(self) -> CounterMetricFamily:
+    def _step_time(self, state: EngineState) -> CounterMetricFamily:
         """Where engine step time goes, so served-mode overheads show up next to the offline profile."""
-        stats = self.engine.stats
+        stats = state.stats
         family = CounterMetricFamily("tokenfleet:engine_step_seconds", "Engine step time by phase.",
                                      labels=["model_name", "phase"])
         for phase in ("schedule", "prepare", "forward", "sample", "output"):

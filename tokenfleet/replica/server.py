@@ -27,7 +27,7 @@ class ReplicaService:
 
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.engine, self.model_name = engine, model_name
-        self.metrics = ReplicaMetrics(engine.engine, model_name)
+        self.metrics = ReplicaMetrics(engine.state, model_name)
 
     def open(self, kind: str, body: object) -> tuple[ChatCompletionRequest | CompletionRequest, ChoiceStream,
                                                      Renderer]:
@@ -57,7 +57,7 @@ class ReplicaService:
         params = req.sampling_params(max_tokens, logprobs)
         for prompt in prompts:
             try:
-                self.engine.engine.validate(prompt, params)
+                self.engine.validate(prompt, params)
             except ValueError as e:
                 raise bad_request(str(e), param="messages" if kind == "chat" else "prompt") from e
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
@@ -110,12 +110,15 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
     install_error_handler(app)
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def health() -> Response:
+        dead = getattr(engine, "dead", None)  # an engine process that exited: take this replica out of rotation
+        if dead:
+            return JSONResponse({"status": "engine down", "detail": dead}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/load")
     async def load() -> dict:
-        return load_report(engine.engine)
+        return engine.state().load
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -124,7 +127,7 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "tokenfleet", "max_model_len": engine.engine.max_model_len}]}
+                                            "owned_by": "tokenfleet", "max_model_len": engine.max_model_len}]}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

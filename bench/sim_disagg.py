@@ -91,9 +91,14 @@ def experiment(base: dict, args) -> dict:
             raw = copy.deepcopy(base)
             raw["workload"] = {**raw.get("workload", {}), **work.get("workload", {}), "rate": load * gpus}
             for layout in spec["layouts"]:
-                rows.append({"workload": name, "per_gpu_rps": load, **one_run(raw, layout, spec, spec["slos"])})
+                rows.append({"workload": name, "per_gpu_rps": load,
+                             **one_run(raw, layout, spec, slos_of(spec, name))})
                 print(rows[-1], file=sys.stderr)
     return {"rows": rows, "spec": spec}
+
+
+def slos_of(spec: dict, workload: str) -> list[dict]:
+    return spec["workloads"][workload].get("slos") or spec["slos"]
 
 
 def _goodput(row: dict, slo: str) -> str:
@@ -101,15 +106,16 @@ def _goodput(row: dict, slo: str) -> str:
 
 
 def render(result: dict, args, head: list[str]) -> str:
-    spec, slos = result["spec"], result["spec"]["slos"]
+    spec = result["spec"]
     lines = list(head) + [
         f"KV transfer: {spec['transfer_latency_s'] * 1000:g} ms + prompt tokens x KV bytes per token / "
         f"({spec['link_gb_per_s']:g} GB/s x {spec['link_efficiency']:g}) into each decode replica, one at a time; "
-        f"prefill pool token budget {spec.get('prefill_batched_tokens')} per step. SLOs: "
-        + "; ".join(f"**{s['name']}** TTFT <= {s['ttft_s']:g} s and time per output token <= "
-                    f"{s['tpot_s'] * 1000:g} ms" for s in slos) + ".", ""]
+        f"prefill pool token budget {spec.get('prefill_batched_tokens')} per step.", ""]
     for workload in dict.fromkeys(r["workload"] for r in result["rows"]):
-        lines += [f"## {workload}", "", "| req/s per GPU | layout | " + " | ".join(
+        slos = slos_of(spec, workload)
+        lines += [f"## {workload}", "", "SLOs: " + "; ".join(
+            f"**{s['name']}** TTFT <= {s['ttft_s']:g} s and time per output token <= {s['tpot_s'] * 1000:g} ms"
+            for s in slos) + ".", "", "| req/s per GPU | layout | " + " | ".join(
             f"goodput {s['name']} (req/s/GPU)" for s in slos) + " | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | "
             "ITL p99 (ms) | prefix hits | KV transfer (ms) |", "|---:|---|" + "---:|" * (len(slos) + 5)]
         for r in (r for r in result["rows"] if r["workload"] == workload):

@@ -125,12 +125,12 @@ def autoscale(runs: dict[str, dict], path: Path) -> Path:
 
 def disagg(result: dict, path: Path) -> Path:
     """Goodput per GPU against offered load, one panel per workload and SLO, a line per layout."""
-    rows, slos = result["rows"], result["spec"]["slos"]
+    rows, spec = result["rows"], result["spec"]
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    fig, axes = plt.subplots(len(workloads), len(slos), figsize=(5 * len(slos), 3.6 * len(workloads)),
-                             squeeze=False)
+    columns = max(len(spec["workloads"][w].get("slos") or spec["slos"]) for w in workloads)
+    fig, axes = plt.subplots(len(workloads), columns, figsize=(5 * columns, 3.6 * len(workloads)), squeeze=False)
     for i, workload in enumerate(workloads):
-        for j, slo in enumerate(slos):
+        for j, slo in enumerate(spec["workloads"][workload].get("slos") or spec["slos"]):
             ax = axes[i][j]
             for layout in dict.fromkeys(r["layout"] for r in rows):
                 mine = [r for r in rows if r["workload"] == workload and r["layout"] == layout]

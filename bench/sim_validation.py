@@ -118,9 +118,14 @@ def validate(model: Path, args, rate: float, coefficients, spec, vocab: int) -> 
     spread = {k: (max(r[k] for r in repeats) - min(r[k] for r in repeats)) / real[k] if real[k] else 0.0
               for k in real}
     sim = summarize(simulate(arrivals, spec, CostModel(coefficients)))
+    # the same simulation with the cost model fitted on these runs' own steps: what is left when the step times
+    # are right (the scheduling model), apart from what the calibration's step times add
+    own = fit(batches, durations)
+    sim_own = summarize(simulate(arrivals, spec, CostModel(own)))
     return {"rate": rate, "real": real, "repeats": repeats, "spread": spread, "sim": sim,
             "error": compare(real, sim), "other_cpu_share": others,
-            "step_fit": fit_error(coefficients, batches, durations)}
+            "step_fit": fit_error(coefficients, batches, durations),
+            "sim_own_fit": sim_own, "error_own_fit": compare(real, sim_own)}
 
 
 def render(result: dict) -> str:
@@ -131,13 +136,16 @@ def render(result: dict) -> str:
              f"{result['calibration_steps']} measured steps of two separate workloads (an offline batch and "
              f"{result['calibration_rate']:g} req/s, other seeds). The real engine's clock: {result['clock']}.", "",
              "```", json.dumps(result["coefficients"], indent=1), "```", "",
-             "| rate (req/s) | metric | real engine (mean of runs) | real runs' spread | simulator | difference |",
-             "|---:|---|---:|---:|---:|---:|"]
+             "| rate (req/s) | metric | real engine (mean of runs) | real runs' spread | simulator | difference "
+             "| simulator, fitted on these runs' steps | difference |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for run in result["runs"]:
         for key in ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "throughput_tok_s", "preemptions"):
             real, sim, err = run["real"][key], run["sim"][key], run["error"][key]
             spread = f"{run['spread'][key]:.0%} ({len(run['repeats'])} runs)" if len(run["repeats"]) > 1 else "-"
-            lines.append(f"| {run['rate']:g} | {key} | {real:.4g} | {spread} | {sim:.4g} | {err:+.1%} |")
+            own = (f" {run['sim_own_fit'][key]:.4g} | {run['error_own_fit'][key]:+.1%} |" if "sim_own_fit" in run
+                   else " - | - |")
+            lines.append(f"| {run['rate']:g} | {key} | {real:.4g} | {spread} | {sim:.4g} | {err:+.1%} |" + own)
     lines += ["", "Step-time model on each validation run's measured steps (mean absolute relative error per step; "
               "predicted / measured total): " + "; ".join(
                   f"{r['rate']:g} req/s: {r['step_fit']['mean_abs_rel_error']:.1%}, "

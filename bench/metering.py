@@ -714,8 +714,9 @@ def contention(rep: dict) -> str:
 
 def pipeline_section(rep: dict, a: dict) -> list[str]:
     L = ["## Events per second through outbox → log → warehouse", "",
-         f"{a['events']} events per run ({a['bulk_events']} for ship and warehouse, "
-         f"{a.get('sequential_events', '?')} for the sequential recorder; the floor and Outbox.close "
+         f"{a['events']} events per run ({a['bulk_events']} for ship and warehouse"
+         + (f", {a['sequential_events']} for the sequential recorder" if "sequential_events" in a else "")
+         + f"; the floor and Outbox.close "
          f"with {a['writers']} concurrent writers), medians of {a['repeats']} runs (each on empty tables and an "
          "empty log), one Python process. \"CPU/event\" = CPU time per event of this process (SQLite included: it "
          "runs in the process) + of the servers (the PostgreSQL backends of the benchmark's connections and "
@@ -733,7 +734,7 @@ def pipeline_section(rep: dict, a: dict) -> list[str]:
             failed = sum(r["write_errors"].values()) if "write_errors" in r else ""
             server = r.get("server_cpu_us_per_event") or 0
             cpu = _num(r["cpu_us_per_event"]) + (f" + {_num(server)}" if kind == "fleet" else "")
-            L.append(f"| {BACKEND_LABELS[kind]} | {STAGE_LABELS[r['stage']]} | **{_num(r['per_s'])}** | "
+            L.append(f"| {BACKEND_LABELS[kind]} | {STAGE_LABELS.get(r['stage'], r['stage'])} | **{_num(r['per_s'])}** | "
                      f"{', '.join(map(str, r['per_s_each']))} | {cpu} | {_num(1e6 / (r['cpu_us_per_event'] + server))}"
                      f" | {write} | {lag} | {_num(r.get('connections_opened'))} | {failed} | "
                      f"{', '.join(_pc(x) for x in r['others_cpu_each'])} |")

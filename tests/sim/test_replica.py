@@ -117,3 +117,29 @@ def test_an_arrival_during_a_run_is_admitted_at_the_next_step() -> None:
         results.append((sink.done, replica.steps, replica.events.processed))
     assert results[0][:2] == results[1][:2]
     assert results[0][2] < results[1][2]
+
+
+def test_code_that_touches_the_block_manager_mid_run_sees_and_changes_it_between_steps() -> None:
+    """As a KV transfer does (tokenfleet/sim/disagg.py): blocks taken from outside while the replica decodes."""
+    from tokenfleet.engine.request import Request
+    results = []
+    for as_runs in (True, False):
+        seen: list = []
+
+        def before(events, replica):
+            def grab():
+                blocks = replica.blocks
+                seen.append(blocks.num_free_blocks)
+                holder = Request("holder", list(range(50_000, 50_000 + 16 * (blocks.num_free_blocks - 3))),
+                                 SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False))
+                blocks.admit(holder, [], holder.num_tokens)  # all but 3 free blocks: later takes run short
+                seen.append(blocks.num_free_blocks)
+            events.at(0.8, grab)
+
+        requests = make_requests(8, 12, 20.0, priorities=(0,))
+        for r in requests:
+            r.cancel_after = None
+        replica, sink = run_replica(requests, num_blocks=600, host_blocks=0, runs=as_runs, before=before)
+        results.append((seen, sink.done, replica.steps, replica.scheduler.num_preemptions))
+    assert results[0] == results[1]
+    assert results[0][0][1] == 3 and results[0][3] > 0  # the grab left 3 blocks; decodes then got preempted

@@ -110,10 +110,10 @@ class SimReplica:
     def __init__(self, name: str, spec: ReplicaSpec, cost: CostModel, events: EventQueue, sink: ReplicaSink,
                  fast: bool = True) -> None:
         self.name, self.spec, self.cost, self.events, self.sink, self.fast = name, spec, cost, events, sink, fast
-        self.blocks = KVBlockManager(spec.num_blocks, spec.block_size, spec.num_host_blocks, spec.watermark,
+        self._blocks = KVBlockManager(spec.num_blocks, spec.block_size, spec.num_host_blocks, spec.watermark,
                                      spec.enable_prefix_caching)
         self.base = spec.scheduler
-        self.scheduler = Scheduler(replace(self.base), self.blocks)
+        self.scheduler = Scheduler(replace(self.base), self._blocks)
         self.state = ReplicaState(name)
         self.step_no = 0
         self.busy = False
@@ -186,6 +186,14 @@ class SimReplica:
         return bool(self.parked) or self.scheduler.has_work()
 
     @property
+    def blocks(self) -> KVBlockManager:
+        """The block manager, for code outside the replica (a KV transfer, a test): a run in progress is cut at the
+        step in progress first, so the caller sees and changes the state between two steps, as step by step."""
+        if self._run is not None:
+            self._cut_run()
+        return self._blocks
+
+    @property
     def steps(self) -> int:
         """Engine steps begun so far."""
         self.sync()
@@ -205,7 +213,7 @@ class SimReplica:
         s.waiting = len(sched.queue)
         s.queued_tokens = (sum(r.num_uncomputed_tokens for r in sched.queue)
                            + sum(r.num_uncomputed_tokens for r in sched.running if r.num_uncomputed_tokens > 1))
-        s.kv_usage = self.blocks.usage()
+        s.kv_usage = self._blocks.usage()
         return s
 
     # --- one step -----------------------------------------------------------------------------------------
@@ -238,7 +246,7 @@ class SimReplica:
         the same up to block relabelling)."""
         takes = self._takes[step % self.spec.block_size]
         if takes:
-            grow, offset = self.blocks.grow, step - 2
+            grow, offset = self._blocks.grow, step - 2
             for p in list(takes.values()):
                 p.req.num_computed_tokens = p.base_tokens + offset - p.base_step
                 grow(p.req, 1)
@@ -248,7 +256,7 @@ class SimReplica:
         first to register a key wins, should two blocks share it)."""
         registers = self._registers[step % self.spec.block_size]
         if registers:
-            cache_full_blocks, offset = self.blocks.cache_full_blocks, step - 1
+            cache_full_blocks, offset = self._blocks.cache_full_blocks, step - 1
             for p in (sorted(registers.values(), key=_rank) if len(registers) > 1 else registers.values()):
                 p.req.num_computed_tokens = p.base_tokens + offset - p.base_step
                 cache_full_blocks(p.req)
@@ -348,7 +356,7 @@ class SimReplica:
         could find too few free blocks (the scheduler might preempt then: that step runs in full)."""
         finish = min(self._finishes)
         counts = [len(takes) for takes in self._takes]
-        bs, free = self.spec.block_size, self.blocks.num_free_blocks
+        bs, free = self.spec.block_size, self._blocks.num_free_blocks
         for k in range(step + 1, finish + 1):
             need = counts[k % bs]
             if need > free:
@@ -427,14 +435,14 @@ class SimReplica:
         """Whether the scheduler's choices this step could involve parked requests (budget or blocks short)."""
         sched, budget = self.scheduler, self.base.max_num_batched_tokens
         if not sched.running:
-            return len(self.parked) > budget or takes > self.blocks.num_free_blocks
+            return len(self.parked) > budget or takes > self._blocks.num_free_blocks
         decodes = sum(1 for r in sched.running if r.num_uncomputed_tokens == 1)
         if len(self.parked) + decodes > budget:
             return True
-        return takes + self._running_block_needs() > self.blocks.num_free_blocks
+        return takes + self._running_block_needs() > self._blocks.num_free_blocks
 
     def _running_block_needs(self) -> int:
-        budget, blocks = self.base.max_num_batched_tokens, self.blocks
+        budget, blocks = self.base.max_num_batched_tokens, self._blocks
         return sum(blocks.blocks_needed(r, min(r.num_uncomputed_tokens, budget)) for r in self.scheduler.running)
 
     def _unpark_classes_at_risk(self, takes: int) -> None:
@@ -446,7 +454,7 @@ class SimReplica:
         at_risk = [c for c, group in self.parked_by_class.items() if group and c > queue[0].priority]
         if not at_risk:
             return
-        blocks = self.blocks
+        blocks = self._blocks
         need = takes + self._running_block_needs() + sum(blocks.blocks_for(r.num_tokens) for r in queue)
         seqs = len(self.scheduler.running) + len(self.parked) + len(queue)
         if need <= blocks.num_free_blocks - blocks.watermark_blocks and seqs <= self.base.max_num_seqs:
@@ -471,7 +479,7 @@ class SimReplica:
         sched.running = keep
 
     def _park(self, req: Request) -> None:
-        s, bs, sreq = self.step_no, self.blocks.block_size, req.sim
+        s, bs, sreq = self.step_no, self._blocks.block_size, req.sim
         tokens = req.num_tokens
         p = _Parked(req, sreq, tokens, s, s + sreq.max_tokens + req.num_prompt_tokens - tokens, req.rank())
         # While parked, nothing reads its token count (it is in no scheduler list): hold the whole answer now, so

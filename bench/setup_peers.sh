@@ -10,7 +10,9 @@
 #   3. $VLLM_VENV/bin/pip uninstall -y torchvision torchaudio torchcodec
 #      (otherwise importing vllm fails with "operator torchvision::nms does not exist")
 #   4. check that `import vllm` works.
-# Hugging Face transformers (the other peer) is used from the system Python, where it is already installed.
+#   5. pip install accelerate into the system Python (transformers serve needs it).
+# Hugging Face transformers (the other peer) is used from the system Python (the dev extra installs it); its
+# `transformers serve` also needs accelerate, installed there by step 5.
 set -euo pipefail
 
 VLLM_VENV="${VLLM_VENV:-/tmp/vllm}"
@@ -44,6 +46,14 @@ if [ "${#to_remove[@]}" -gt 0 ]; then
     "$PIP" uninstall -y "${to_remove[@]}"
 else
     echo "[setup_peers] torchvision/torchaudio/torchcodec not installed"
+fi
+
+# `transformers serve` (bench/served_load.py) loads models with a device map, which needs accelerate
+if python3 -c "import accelerate" 2>/dev/null; then
+    echo "[setup_peers] accelerate installed (for transformers serve)"
+else
+    echo "[setup_peers] installing accelerate into this Python (for transformers serve)"
+    python3 -m pip install accelerate
 fi
 
 echo "[setup_peers] checking import vllm"

@@ -55,7 +55,9 @@ class UsageEvent:
         return self.ended_at.date()
 
     def to_dict(self) -> dict[str, Any]:
-        values = dataclasses.asdict(self)
+        # every field is a scalar or a datetime: a shallow copy (dataclasses.asdict deep-copies each datetime, a
+        # visible share of the gateway's CPU per request)
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         values["started_at"] = self.started_at.isoformat()
         values["ended_at"] = self.ended_at.isoformat()
         return values

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Stream:
+class StreamQueue:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
@@ -43,11 +43,11 @@ class StreamingEngine:
     id_prefix = "async"
 
     def __init__(self) -> None:
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, StreamQueue] = {}
         self._ids = itertools.count()
 
-    def _new_stream(self) -> _Stream:
-        return _Stream(asyncio.get_running_loop(), asyncio.Queue())
+    def _new_stream(self) -> StreamQueue:
+        return StreamQueue(asyncio.get_running_loop(), asyncio.Queue())
 
     def _send(self, command: tuple) -> None:
         raise NotImplementedError
@@ -76,6 +76,16 @@ class StreamingEngine:
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
+
+    @staticmethod
+    def _hand_over(ready: list[tuple[StreamQueue, RequestOutput]]) -> None:
+        """From the engine's side: a step's outputs with one wake-up per consumer loop, not one per request (each
+        wake-up is a self-pipe write and a GIL hand-off that the next step would otherwise wait behind)."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for stream, output in ready:
+            batches.setdefault(stream.loop, []).append((stream.queue, output))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(put_all, batch)
 
 
 class AsyncEngine(StreamingEngine):
@@ -127,15 +137,8 @@ class AsyncEngine(StreamingEngine):
             self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hands a step's outputs over with one wake-up per consumer loop, not one per request: each wake-up
-        is a self-pipe write and a GIL hand-off that the next step would otherwise wait behind."""
-        batches: dict[asyncio.AbstractEventLoop, list] = {}
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is not None:
-                batches.setdefault(stream.loop, []).append((stream.queue, output))
-        for loop, batch in batches.items():
-            loop.call_soon_threadsafe(put_all, batch)
+        self._hand_over([(stream, output) for output in outputs
+                         if (stream := self._streams.get(output.request_id)) is not None])
 
     def _fail_all(self, error: Exception) -> None:
         for request_id, stream in list(self._streams.items()):

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from tokenfleet.config import EngineConfig
-from tokenfleet.engine.async_engine import StreamingEngine, put_all
+from tokenfleet.engine.async_engine import StreamingEngine, StreamQueue
 from tokenfleet.engine.engine import RequestOutput
 from tokenfleet.engine.limits import EngineLimits
 from tokenfleet.engine.request import SamplingParams, TokenLogprob
@@ -57,9 +57,9 @@ class _Delta:
 
 
 @dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+class _Stream(StreamQueue):
+    """A request's queue, plus what its outputs so far add up to (the pipe carries only what is new)."""
+
     prompt_token_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -162,19 +162,13 @@ class EngineProcess(StreamingEngine):
                     self._put(request_id, RuntimeError(f"engine step failed: {payload[1]}"))
 
     def _deliver(self, deltas: list[_Delta]) -> None:
-        """One wake-up per consumer loop for the whole step."""
-        batches: dict[asyncio.AbstractEventLoop, list] = {}
-        for delta in deltas:
-            stream = self._streams.get(delta.request_id)
-            if stream is not None:
-                batches.setdefault(stream.loop, []).append((stream.queue, stream.output(delta)))
-        for loop, batch in batches.items():
-            loop.call_soon_threadsafe(put_all, batch)
+        self._hand_over([(stream, stream.output(delta)) for delta in deltas
+                         if (stream := self._streams.get(delta.request_id)) is not None])
 
     def _put(self, request_id: str, item: BaseException) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            stream.put(item)
 
     def _engine_gone(self) -> None:
         self._process.join(1.0)
@@ -193,11 +187,13 @@ def _engine_main(config: EngineConfig, conn, threads: int) -> None:
     the server process, which drains first; this process ends when told to, or when the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import torch
+
+    from tokenfleet.api.http import configure_logging  # the server's log format (imported here: a layer up)
 
     from tokenfleet.engine.engine import Engine
 
+    configure_logging()
     torch.set_num_threads(threads)
     try:
         engine = Engine(config)
@@ -214,6 +210,7 @@ class _EngineLoop:
         self.engine, self.conn = engine, conn
         self.started: set[str] = set()  # requests whose prompt token ids went over already
         self.state_sent_at = 0.0
+        self.reported_idle = True  # the last snapshot sent showed no work
 
     def run(self) -> None:
         try:
@@ -238,7 +235,7 @@ class _EngineLoop:
             else:
                 self._add(*command[1:])
         if applied and not self.engine.has_unfinished():
-            self.conn.send(("state", EngineState.of(self.engine)))
+            self.conn.send(("state", self._snapshot()))
         return True
 
     def _add(self, request_id: str, prompt, params, priority: int) -> None:
@@ -261,11 +258,15 @@ class _EngineLoop:
 
     def _state_if_due(self) -> EngineState | None:
         """A snapshot at most every STATE_INTERVAL_S while busy (the router polls load every 100 ms or more), and
-        always once the engine runs idle, so that an idle engine never reports stale work."""
-        now = time.monotonic()
-        if self.engine.has_unfinished() and now - self.state_sent_at < STATE_INTERVAL_S:
+        always on a change between idle and busy, so that neither an idle nor a newly busy engine reports stale
+        load."""
+        busy = self.engine.has_unfinished()
+        if busy and not self.reported_idle and time.monotonic() - self.state_sent_at < STATE_INTERVAL_S:
             return None
-        self.state_sent_at = now
+        return self._snapshot()
+
+    def _snapshot(self) -> EngineState:
+        self.state_sent_at, self.reported_idle = time.monotonic(), not self.engine.has_unfinished()
         return EngineState.of(self.engine)
 
     def _delta(self, out: RequestOutput) -> _Delta:

@@ -82,7 +82,7 @@ def _transfer_ms(fleet) -> float | None:
 
 def experiment(base: dict, args) -> dict:
     base = copy.deepcopy(base)
-    spec = base.pop("disagg")
+    spec = base.pop("experiment")
     gpus = base["fleet"]["replicas"] * base["fleet"].get("tensor_parallel", 1)
     rows = []
     for name, work in spec["workloads"].items():

@@ -112,7 +112,7 @@ def slo_summary(fleet: Fleet) -> dict:
 
 def autoscale(base: dict, args) -> dict:
     base = copy.deepcopy(base)
-    scaling = base.pop("autoscale")
+    scaling = {**base.pop("autoscale"), **base.pop("experiment")}
     runs = {}
     for mode in ("forecast", "reactive"):
         runs[mode] = autoscale_run(base, scaling, mode, args.bin_s)

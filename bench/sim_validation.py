@@ -13,6 +13,14 @@
    prompts, outputs of varied length, two priority classes) in real time; the simulator runs the same arrivals
    on one replica with the same engine settings and the calibrated cost model. Compared: TTFT mean / p50 / p90,
    throughput (output tokens / time to the last completion) and preemptions. Target: within 15%.
+4. The simulator is deterministic; the real engine is not. Its step times scatter about 5-10% around the cost
+   model, and its average speed drifts by a few percent between runs minutes apart (the machine, not the code).
+   Near the KV limit the TTFT tail and the preemption count are steep in both: repeated real runs of one workload
+   spread by tens of percent. So the comparison that decides is run by run: each real run against simulations
+   with the calibrated cost model scaled to that run's measured average speed (one number: its measured over
+   predicted step time) and carrying the calibration's measured step scatter (calibration.ScatteredCostModel,
+   --scatter-seeds seeds); the means over runs are compared. The plain simulation at the calibration's speed, and
+   one refitted on the runs' own steps, are shown beside it.
 """
 from __future__ import annotations
 
@@ -39,9 +47,9 @@ from tokenfleet.engine.scheduler import SchedulerConfig  # noqa: E402
 from tokenfleet.model.demo import write_demo_checkpoint  # noqa: E402
 import torch  # noqa: E402
 
-from tokenfleet.sim.calibration import (Arrival, Measured, fit, fit_error, replay, simulate,  # noqa: E402
-                                        synthetic_arrivals)
-from tokenfleet.sim.cost_model import CostModel  # noqa: E402
+from tokenfleet.sim.calibration import (Arrival, Measured, ScatteredCostModel, fit, fit_error,  # noqa: E402
+                                        replay, residual_ratios, simulate, synthetic_arrivals)
+from tokenfleet.sim.cost_model import CostModel, StepCoefficients  # noqa: E402
 from tokenfleet.sim.replica import ReplicaSpec  # noqa: E402
 
 try:
@@ -93,14 +101,41 @@ def calibrate(model: Path, args) -> tuple:
         durations += measured.durations
     coefficients = fit(batches, durations)
     print("calibration fit:", fit_error(coefficients, batches, durations), file=sys.stderr)
+    ratios = residual_ratios(coefficients, batches, durations)
     spec = ReplicaSpec(engine.blocks.num_blocks, engine.config.block_size, len(engine.blocks.free_host),
                        engine.config.watermark, True, engine.max_model_len,
                        SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                        engine.config.swap_threshold_tokens))
-    return coefficients, spec, vocab, len(durations)
+    return coefficients, ratios, spec, vocab, len(durations)
 
 
-def validate(model: Path, args, rate: float, coefficients, spec, vocab: int) -> dict:
+def mean_of(rows: list[dict]) -> tuple[dict, dict]:
+    """The mean of each metric over runs, and how far apart the runs were (max - min, relative to the mean)."""
+    mean = {k: statistics.fmean(r[k] for r in rows) for k in rows[0]}
+    spread = {k: (max(r[k] for r in rows) - min(r[k] for r in rows)) / mean[k] if mean[k] else 0.0 for k in mean}
+    return mean, spread
+
+
+def scaled(coefficients: StepCoefficients, factor: float) -> StepCoefficients:
+    """The same cost model on a machine `factor` times slower (every time coefficient scaled)."""
+    return StepCoefficients(**{k: v * factor if isinstance(v, float) else v
+                               for k, v in asdict(coefficients).items()})
+
+
+def speed_of(measured: Measured, coefficients: StepCoefficients) -> float:
+    """A run's measured step time over the calibrated model's prediction for the same steps."""
+    model = CostModel(coefficients)
+    return sum(measured.durations) / sum(model.step_time(b) for b in measured.batches)
+
+
+def simulate_at_speed(arrivals, spec, coefficients, ratios, speed: float, seeds: int) -> dict:
+    """The mean over `seeds` simulations with the measured step scatter, the cost model scaled to `speed`."""
+    cost = scaled(coefficients, speed)
+    return mean_of([summarize(simulate(arrivals, spec, ScatteredCostModel(cost, ratios, seed)))
+                    for seed in range(seeds)])[0]
+
+
+def validate(model: Path, args, rate: float, coefficients, ratios, spec, vocab: int) -> dict:
     """The real engine `repeats` times (fresh each time; an offline batch once: its schedule does not depend on
     time), against one simulation. `real` is the mean of the repeats; `spread` how far apart they were."""
     arrivals = workload(args.seed, args.requests, rate, vocab)
@@ -108,22 +143,25 @@ def validate(model: Path, args, rate: float, coefficients, spec, vocab: int) -> 
     if probe:
         probe.start()
     started = time.perf_counter()
-    repeats, batches, durations = [], [], []
+    repeats, matched, batches, durations = [], [], [], []
     for _ in range(1 if rate == float("inf") else args.repeats):
         measured = replay(fresh_engine(model, args), arrivals, CLOCK)
-        repeats.append(summarize(measured))
+        repeats.append({**summarize(measured), "speed": speed_of(measured, coefficients)})
+        matched.append(simulate_at_speed(arrivals, spec, coefficients, ratios, repeats[-1]["speed"],
+                                         args.scatter_seeds))
         batches, durations = batches + measured.batches, durations + measured.durations
     others = probe.stop(time.perf_counter() - started) if probe else None
-    real = {k: statistics.fmean(r[k] for r in repeats) for k in repeats[0]}
-    spread = {k: (max(r[k] for r in repeats) - min(r[k] for r in repeats)) / real[k] if real[k] else 0.0
-              for k in real}
+    real, spread = mean_of(repeats)
     sim = summarize(simulate(arrivals, spec, CostModel(coefficients)))
+    sim_matched, matched_spread = mean_of(matched)
     # the same simulation with the cost model fitted on these runs' own steps: what is left when the step times
     # are right (the scheduling model), apart from what the calibration's step times add
     own = fit(batches, durations)
     sim_own = summarize(simulate(arrivals, spec, CostModel(own)))
     return {"rate": rate, "real": real, "repeats": repeats, "spread": spread, "sim": sim,
-            "error": compare(real, sim), "other_cpu_share": others,
+            "error": compare(real, sim), "sim_matched": sim_matched, "sim_matched_spread": matched_spread,
+            "sim_matched_runs": matched, "error_matched": compare(real, sim_matched),
+            "other_cpu_share": others,
             "step_fit": fit_error(coefficients, batches, durations),
             "sim_own_fit": sim_own, "error_own_fit": compare(real, sim_own)}
 
@@ -136,22 +174,33 @@ def render(result: dict) -> str:
              f"{result['calibration_steps']} measured steps of two separate workloads (an offline batch and "
              f"{result['calibration_rate']:g} req/s, other seeds). The real engine's clock: {result['clock']}.", "",
              "```", json.dumps(result["coefficients"], indent=1), "```", "",
-             "| rate (req/s) | metric | real engine (mean of runs) | real runs' spread | simulator | difference "
-             "| simulator, fitted on these runs' steps | difference |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "| rate (req/s) | metric | real engine (mean of runs) | real runs' spread | **simulator at each run's "
+             "speed, with step scatter (mean)** | its spread | **difference** | simulator at the calibration's "
+             "speed | difference | simulator, refitted on these runs' steps | difference |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for run in result["runs"]:
         for key in ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "throughput_tok_s", "preemptions"):
             real, sim, err = run["real"][key], run["sim"][key], run["error"][key]
             spread = f"{run['spread'][key]:.0%} ({len(run['repeats'])} runs)" if len(run["repeats"]) > 1 else "-"
             own = (f" {run['sim_own_fit'][key]:.4g} | {run['error_own_fit'][key]:+.1%} |" if "sim_own_fit" in run
                    else " - | - |")
-            lines.append(f"| {run['rate']:g} | {key} | {real:.4g} | {spread} | {sim:.4g} | {err:+.1%} |" + own)
+            scatter = (f" {run['sim_matched'][key]:.4g} | {run['sim_matched_spread'][key]:.0%} "
+                       f"| **{run['error_matched'][key]:+.1%}** |" if "sim_matched" in run else " - | - | - |")
+            lines.append(f"| {run['rate']:g} | {key} | {real:.4g} | {spread} |" + scatter
+                         + f" {sim:.4g} | {err:+.1%} |" + own)
     lines += ["", "Step-time model on each validation run's measured steps (mean absolute relative error per step; "
               "predicted / measured total): " + "; ".join(
                   f"{r['rate']:g} req/s: {r['step_fit']['mean_abs_rel_error']:.1%}, "
                   f"{r['step_fit']['total_predicted_over_measured']:.3f}" for r in result["runs"])]
-    worst = max(abs(e) for run in result["runs"] for e in run["error"].values())
-    lines += ["", f"Largest difference: {worst:.1%} (target: within 15%). Other processes' CPU during the real runs: "
+    def worst(column: str) -> float:
+        return max(abs(e) for run in result["runs"] for e in run[column].values())
+
+    speeds = "; ".join(f"{r['rate']:g} req/s: " + ", ".join(f"{x['speed']:.3f}" for x in r["repeats"])
+                       for r in result["runs"])
+    lines += ["", f"Each real run's speed (its measured / predicted step time): {speeds}.",
+              "", f"Largest difference, real runs against simulations at each run's speed with step scatter "
+              f"(means over runs): **{worst('error_matched'):.1%}** (target: within 15%); against the "
+              f"simulation at the calibration's speed: {worst('error'):.1%}. Other processes' CPU during the real runs: "
               + ", ".join("-" if r["other_cpu_share"] is None else f"{r['other_cpu_share']:.0%}"
                           for r in result["runs"]) + " of the machine.", ""]
     return "\n".join(lines + result.get("notes", []))
@@ -168,7 +217,9 @@ def main() -> int:
     p.add_argument("--swap-space-gib", type=float, default=0.01)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=3, help="real-engine runs per Poisson rate (their mean is compared)")
+    p.add_argument("--repeats", type=int, default=5, help="real-engine runs per Poisson rate (their mean is compared)")
+    p.add_argument("--scatter-seeds", type=int, default=10,
+                   help="simulations with the measured step-time scatter per real run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="docs/benchmarks/simulator_validation.md")
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
@@ -179,8 +230,8 @@ def main() -> int:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         model = write_demo_checkpoint(Path(tmp) / args.size, size=args.size)
-        coefficients, spec, vocab, steps = calibrate(model, args)
-        runs = [validate(model, args, float(r), coefficients, spec, vocab) for r in args.rates.split(",")]
+        coefficients, ratios, spec, vocab, steps = calibrate(model, args)
+        runs = [validate(model, args, float(r), coefficients, ratios, spec, vocab) for r in args.rates.split(",")]
     import platform
     result = {"command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
               "machine": f"{platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores",

@@ -2,9 +2,13 @@
 a drained replica finishes its requests before it is removed, and GPU time counts from launch to removal."""
 from __future__ import annotations
 
+import json
+
 import pytest
+import yaml
 
 from tokenfleet.autoscale.settings import AutoscaleSettings
+from tokenfleet.cli import main
 from tokenfleet.sim import config
 from tokenfleet.sim.autoscaling import ScaledFleet, ScalingSetup, forecast_from_workload
 from tokenfleet.sim.fleet import Fleet
@@ -62,7 +66,7 @@ def test_forecast_mode_starts_replicas_a_cold_start_ahead_of_the_peak(day) -> No
     assert _mean_ready(forecast, PEAK_S) > _mean_ready(reactive, PEAK_S) + 0.5
     assert max(r.ready for r in forecast.records) >= 4
     # it pays for that in GPU-hours, and gets no more requests outside their SLO or shed for it
-    misses = {m: r.fleet.metrics.totals() for m, r in day.items()}
+    misses = {m: r.fleet.metrics.totals(("enterprise", "paid", "free")) for m, r in day.items()}  # interactive
     assert forecast.gpu_hours > reactive.gpu_hours
     assert misses["forecast"].missed + misses["forecast"].shed <= misses["reactive"].missed + misses["reactive"].shed
 
@@ -130,3 +134,34 @@ def test_an_autoscaled_run_is_the_same_for_the_same_seed() -> None:
     first, again = _run("forecast", raw), _run("forecast", raw)
     assert first.records == again.records and first.gpu_hours == again.gpu_hours
     assert first.fleet.metrics.rows() == again.fleet.metrics.rows()
+
+
+def test_tokenfleet_simulate_runs_the_autoscaled_layout_from_its_config(tmp_path) -> None:
+    raw = {**DAY, "duration_s": 200, "workload": {**DAY["workload"], "diurnal_period_s": 200, "peak_at_s": 100}}
+    options = {"mode": "forecast", "interval_s": 5, "cold_start_s": 60.0, "scale_down_delay_s": 60,
+               "cooldown_s": 30, "pools": {"sim": POOL}}
+    path = tmp_path / "sim.yaml"
+    path.write_text(yaml.safe_dump({**raw, "autoscale": {"cold_start_s": 60.0, "settings": options}}))
+    assert main(["simulate", "--config", str(path), "--out", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    python = _run("forecast", raw)  # the same run built in Python
+    scaling = report["autoscaling"]
+    assert scaling["events"] == python.events and scaling["events"]["started"] >= 1
+    assert scaling["gpu_hours"] == report["totals"]["gpu_hours"] == pytest.approx(python.gpu_hours, abs=1e-4)
+    assert scaling["peak_replicas"] == max(r.ready + r.starting + r.draining for r in python.records) > 1
+    assert "autoscaler (forecast" in (tmp_path / "out" / "summary.txt").read_text()
+
+
+def test_the_batch_tier_runs_only_in_the_trough_when_the_batch_gate_is_on() -> None:
+    """The autoscaler's batch gate (as the gateway's admission applies it): batch requests wait while the pool has no
+    spare capacity, so they wait longer than without the gate, and the gate was both closed and open over the day."""
+    raw = {**DAY, "duration_s": 400, "workload": {**DAY["workload"], "diurnal_period_s": 400, "peak_at_s": 200,
+                                                  "tiers": {"paid": 0.6, "free": 0.2, "batch": 0.2}}}
+    gated, open_ = _run("reactive", raw, batch_gate=True), _run("reactive", raw, batch_gate=False)
+    allowed = [r.batch_allowed for r in gated.records]
+    assert any(allowed) and not all(allowed)
+    assert gated.fleet.gateway.batch_allowed in (True, False) and open_.fleet.gateway.batch_allowed is True
+    wait = {name: run.fleet.metrics.tiers["batch"].queue_wait for name, run in (("gated", gated), ("open", open_))}
+    assert wait["gated"].percentile(99) > 2 * (wait["open"].percentile(99) or 0.001)
+    for run in (gated, open_):
+        _nothing_dropped(run)

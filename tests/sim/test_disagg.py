@@ -3,7 +3,12 @@ replica (found there as prefix hits, not recomputed), its transfer time shows up
 token, and every request completes once."""
 from __future__ import annotations
 
+import json
+
 import pytest
+import yaml
+
+from tokenfleet.cli import main
 
 from tokenfleet.sim import config
 from tokenfleet.sim.disagg import GB, DisaggFleet, DisaggSpec
@@ -71,3 +76,18 @@ def test_cancellations_are_refused_up_front() -> None:
     raw = {**RAW, "workload": {**RAW["workload"], "cancel_probability": 0.1}}
     with pytest.raises(ValueError, match="cancel"):
         DisaggFleet(config.parse(raw), DisaggSpec(1, 2, KV))
+
+
+def test_tokenfleet_simulate_runs_the_disaggregated_layout_from_its_config(tmp_path, runs) -> None:
+    path = tmp_path / "sim.yaml"
+    path.write_text(yaml.safe_dump({**RAW, "disagg": {"prefill_replicas": 1, "decode_replicas": 2,
+                                                      "link_gb_per_s": 50.0, "link_efficiency": 1.0,
+                                                      "transfer_latency_s": 0.001}}))
+    assert main(["simulate", "--config", str(path), "--out", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    fleet = runs["fast"]  # the same spec built in Python: the same run
+    assert report["disaggregated"]["transfers"] == fleet.transfers > 100
+    assert report["disaggregated"]["prefill_replicas"] == 1 and report["disaggregated"]["decode_replicas"] == 2
+    assert report["setup"]["replicas"] == 3
+    assert report["totals"]["requests_ended"] == sum(t.completed for t in fleet.metrics.tiers.values())
+    assert "KV transfers" in (tmp_path / "out" / "summary.txt").read_text()

@@ -83,6 +83,14 @@ def test_a_missing_or_broken_config_file_is_a_clear_error(tmp_path, capsys) -> N
     ({"routing": {"policy": "random"}}, "routing.policy"),
     ({"fleet": {"replica": 3}}, "unknown setting"),
     ({"duration_s": -1}, "duration_s"),
+    ({"autoscale": {}, "disagg": {"prefill_replicas": 1, "decode_replicas": 1}}, "cannot be combined"),
+    ({"autoscale": {"settings": {"pools": {"llama-8b": {}}}}}, "one pool named 'sim'"),
+    ({"autoscale": {"settings": {"mode": "psychic"}}}, "autoscale.settings: mode must be one of"),
+    ({"autoscale": {"cold_start_s": -1}}, "autoscale.cold_start_s"),
+    ({"autoscale": {"warm_buffer": 0.2}}, "autoscale: unknown setting"),
+    ({"disagg": {"prefill_replicas": 1}}, "disagg.decode_replicas is required"),
+    ({"disagg": {"prefill_replicas": 1, "decode_replicas": 1}}, "cancellations"),
+    ({"disagg": {"prefill_replicas": 0, "decode_replicas": 1}}, "disagg.prefill_replicas"),
 ])
 def test_bad_configs_are_refused_before_anything_runs(tmp_path, capsys, change, message) -> None:
     raw = {**TINY, **{k: ({**TINY.get(k, {}), **v} if isinstance(v, dict) else v) for k, v in change.items()}}

@@ -96,7 +96,9 @@ class RateMeter:
 SPLIT = ("queued", "queued_tokens", "batch_queued", "batch_in_use", "arrivals")
 
 
-def _dispatch_split(snapshot: DispatchSnapshot, batch_tiers: Collection[str]) -> dict[str, int]:
+def dispatch_split(snapshot: DispatchSnapshot, batch_tiers: Collection[str]) -> dict[str, int]:
+    """A model's fair-queue snapshot split into interactive work (queued, queued tokens, arrivals so far) and batch
+    work (queued, holding slots)."""
     tiers = snapshot.tiers.items()
     return {"queued": sum(t.queued for n, t in tiers if n not in batch_tiers),
             "queued_tokens": sum(t.queued_tokens for n, t in tiers if n not in batch_tiers),
@@ -122,7 +124,7 @@ def pool_signals(key: str, replicas: list[ReplicaSignals], snapshot: DispatchSna
     """One pool's signals from its replicas and, for the pool the gateway's fair queue feeds, the queue's
     snapshot."""
     ready = [r for r in replicas if not r.draining and r.healthy]
-    split = _dispatch_split(snapshot, batch_tiers) if snapshot is not None else dict.fromkeys(SPLIT, 0)
+    split = dispatch_split(snapshot, batch_tiers) if snapshot is not None else dict.fromkeys(SPLIT, 0)
     replica_tokens = sum(r.queued_tokens for r in replicas)
     kv = [r.kv_usage for r in ready]
     in_use, slots = (snapshot.in_use, snapshot.slots) if snapshot is not None else (0, 0)
@@ -161,7 +163,7 @@ class GatewaySignals:
         starting, out = starting or {}, {}
         for model, pools in self.router.models.items():
             snapshot = self.admission.dispatchers[model].snapshot()
-            rate = self.rates.update(model, _dispatch_split(snapshot, self.batch_tiers)["arrivals"], now)
+            rate = self.rates.update(model, dispatch_split(snapshot, self.batch_tiers)["arrivals"], now)
             nearest = nearest_region(pools)
             for region in regions(pools, starting):
                 key = pool_key(model, region)

@@ -7,6 +7,8 @@ orchestrator and the router carry it out:
 - start: a replica is launched and joins the router `cold_start_s` later (fetching and loading weights); it holds
   its GPUs from the launch;
 - drain / undrain: the router stops / resumes sending it requests; what it holds runs to the end;
+- batch gate (`batch_gate`): the batch tiers run only while the decision allows them (the trough), as the
+  gateway's admission does;
 - remove: it is stopped once it is empty. The policy may ask to remove a replica still busy after `max_drain_s`;
   the simulator then waits for it to empty (a SIGTERM drain), so no request is ever dropped.
 
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from tokenfleet.autoscale.forecast import CurveForecast, Forecast
 from tokenfleet.autoscale.policy import Autoscaler, Decision
 from tokenfleet.autoscale.settings import AutoscaleSettings
-from tokenfleet.autoscale.signals import PoolSignals, RateMeter, ReplicaSignals, _dispatch_split, pool_signals
+from tokenfleet.autoscale.signals import PoolSignals, RateMeter, ReplicaSignals, dispatch_split, pool_signals
 from tokenfleet.sim.fleet import Fleet
 from tokenfleet.sim.workload import WorkloadSpec
 
@@ -53,6 +55,7 @@ class ScalingRecord:
     kv_usage: float
     queued: int
     reason: str
+    batch_allowed: bool = False
 
 
 @dataclass
@@ -114,7 +117,7 @@ class ScaledFleet:
             replicas.append(ReplicaSignals(r.name, r.name in fleet.draining, True, s.running, s.waiting,
                                            s.in_flight, s.kv_usage, s.queued_tokens, self.started_at[r.name]))
         snapshot = fleet.gateway.dispatcher.snapshot()
-        rate = self.rates.update(POOL, _dispatch_split(snapshot, self.batch_tiers)["arrivals"], now)
+        rate = self.rates.update(POOL, dispatch_split(snapshot, self.batch_tiers)["arrivals"], now)
         return pool_signals(POOL, replicas, snapshot, self.batch_tiers, fleet.prefill_tokens_per_s,
                             starting=len(self.launches), arrival_rate=rate)
 
@@ -125,6 +128,8 @@ class ScaledFleet:
         self._stop_emptied()
         signals = self.signals(now)
         decision = self.autoscaler.decide(now, {POOL: signals})[POOL]
+        if self.settings.batch_gate:  # as the gateway's service: the ladder applies it at its next load update
+            self.fleet.gateway.batch_allowed = decision.batch_allowed
         self._apply(decision, now)
         self._record(now, signals, decision)
         if now + self.settings.interval_s <= self.fleet.end_s:
@@ -178,7 +183,8 @@ class ScaledFleet:
         self.records.append(ScalingRecord(
             round(now, 6), d.desired, round(d.need, 4), s.ready, s.starting, s.draining, round(s.arrival_rate, 4),
             None if d.forecast_rps is None else round(d.forecast_rps, 4),
-            round(min(s.projected_ttft_s, 1e9), 4), round(s.kv_usage_mean, 4), s.queued_requests, d.reason))
+            round(min(s.projected_ttft_s, 1e9), 4), round(s.kv_usage_mean, 4), s.queued_requests, d.reason,
+            d.batch_allowed))
 
 
 def _interactive_share(spec: WorkloadSpec, batch_tiers: tuple[str, ...]) -> float:

@@ -147,6 +147,35 @@ def fit_error(coefficients: StepCoefficients, batches: list[StepBatch], duration
             "total_predicted_over_measured": sum(predicted) / sum(durations)}
 
 
+def residual_ratios(coefficients: StepCoefficients, batches: list[StepBatch], durations: list[float]) -> list[float]:
+    """Measured / predicted time of every measured step: the scatter of the real steps around the cost model."""
+    model = CostModel(coefficients)
+    return [d / p for d, p in ((d, model.step_time(b)) for b, d in zip(batches, durations)) if p > 0 and d > 0]
+
+
+class ScatteredCostModel(CostModel):
+    """The cost model with the real steps' scatter: each step's time is multiplied by a ratio drawn (seeded) from
+    measured ones (residual_ratios), so that simulations with different seeds spread as repeated real runs of one
+    workload do. Near the KV limit a tail percentile or a preemption count moves a lot with small timing changes;
+    the mean over seeds is what compares with the mean of real runs."""
+
+    def __init__(self, coefficients: StepCoefficients, ratios: list[float], seed: int) -> None:
+        super().__init__(coefficients)
+        if not ratios:
+            raise ValueError("no measured steps to take the scatter from")
+        self.ratios, self.rng = ratios, random.Random(seed)
+
+    def step_time(self, batch: StepBatch) -> float:
+        return super().step_time(batch) * self.rng.choice(self.ratios)
+
+    def decode_time(self, sequences: int, contexts: int) -> float:
+        return super().decode_time(sequences, contexts) * self.rng.choice(self.ratios)
+
+    def decode_times(self, sequences: int, contexts: int, growth: int, count: int) -> list[float]:
+        choice = self.rng.choice
+        return [t * choice(self.ratios) for t in super().decode_times(sequences, contexts, growth, count)]
+
+
 class _Sink:
     def __init__(self, result: Measured) -> None:
         self.result = result

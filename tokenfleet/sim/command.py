@@ -6,8 +6,8 @@ import logging
 import time
 
 from tokenfleet.sim import config
-from tokenfleet.sim.fleet import Fleet
-from tokenfleet.sim.report import build_report, summary, write
+from tokenfleet.sim.autoscaling import ScaledFleet
+from tokenfleet.sim.report import build_report, disagg_report, scaling_report, summary, write
 
 
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,11 +17,17 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_simulate_command(args: argparse.Namespace) -> int:
-    setup = config.load(args.config, seed=args.seed)  # every config mistake is a ValueError here, before the run
+    sim = config.load_simulation(args.config, seed=args.seed)  # every config mistake is a ValueError here
     logging.getLogger("tokenfleet.dispatch.overload").setLevel(logging.ERROR)  # the report counts level changes
     started = time.perf_counter()
-    fleet = Fleet(setup).run()
+    fleet = sim.fleet()
+    scaled = ScaledFleet(fleet, sim.scaling).run() if sim.scaling else fleet.run()
     report = build_report(fleet, time.perf_counter() - started)
+    if sim.scaling:
+        report["autoscaling"] = scaling_report(scaled)
+        report["totals"]["gpu_hours"] = report["autoscaling"]["gpu_hours"]
+    if sim.disagg:
+        report["disaggregated"] = disagg_report(fleet)
     print(summary(report))
     if args.out:
         print(f"wrote {write(report, args.out)}/report.json")

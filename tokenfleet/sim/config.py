@@ -1,24 +1,33 @@
 """`tokenfleet simulate --config sim.yaml`: the YAML, checked before anything runs. Every mistake is a ValueError
 naming the setting (negative rates, unknown GPUs or models, a model that does not fit its GPUs at that tensor
-parallel degree, unknown keys)."""
+parallel degree, unknown keys).
+
+Three layouts: a fixed fleet (`fleet.replicas`), one whose size the project's autoscaler sets while it runs
+(`autoscale:`), and separate prefill and decode pools (`disagg:`). `experiment:` is left to the bench scripts that
+read the same file (bench/sim_experiments.py)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from tokenfleet.autoscale.settings import AutoscaleSettings
 from tokenfleet.config import default_tiers, section
 from tokenfleet.dispatch.overload import OverloadSettings
 from tokenfleet.engine.scheduler import SchedulerConfig
+from tokenfleet.sim.autoscaling import POOL, ScalingSetup
 from tokenfleet.sim.cost_model import CostModel, StepCoefficients, kv_cache_blocks, roofline
-from tokenfleet.sim.fleet import POLICIES, FleetSetup
+from tokenfleet.sim.disagg import DisaggFleet, DisaggSpec
+from tokenfleet.sim.fleet import POLICIES, Fleet, FleetSetup
 from tokenfleet.sim.hardware import GB, hardware
 from tokenfleet.sim.metrics import Slo
 from tokenfleet.sim.models import ModelShape, dtype_bytes, model_shape
 from tokenfleet.sim.replica import ReplicaSpec
 from tokenfleet.sim.workload import Burst, WorkloadSpec
 
-TOP = {"seed", "duration_s", "warmup_s", "drain_s", "fleet", "engine", "routing", "workload", "gateway", "slo"}
+TOP = {"seed", "duration_s", "warmup_s", "drain_s", "fleet", "engine", "routing", "workload", "gateway", "slo",
+       "autoscale", "disagg", "experiment"}
 FLEET = {"replicas", "gpu", "tensor_parallel", "model", "weight_dtype", "kv_dtype", "hardware", "cost",
          "swap_space_gib"}
 ENGINE = {"max_num_seqs", "max_num_batched_tokens", "block_size", "swap_threshold_tokens", "watermark",
@@ -26,10 +35,45 @@ ENGINE = {"max_num_seqs", "max_num_batched_tokens", "block_size", "swap_threshol
 ROUTING = {"policy", "load_bound", "affinity"}
 GATEWAY = {"quota", "slots_per_replica", "quantum_tokens", "load_interval_s", "overload"}
 SLO = {"ttft_s", "tpot_s"}
+AUTOSCALE = {"cold_start_s", "settings"}
+DISAGG = {"prefill_replicas", "decode_replicas", "link_gb_per_s", "link_efficiency", "transfer_latency_s",
+          "prefill_batched_tokens"}
 DEFAULT_TTFT = {"enterprise": 1.0, "paid": 2.0, "free": 5.0, "batch": 600.0}
 
 
+@dataclass
+class Simulation:
+    """A checked config: the fleet's setup and its layout (at most one of scaling and disagg)."""
+
+    setup: FleetSetup
+    scaling: ScalingSetup | None = None
+    disagg: DisaggSpec | None = None
+
+    def fleet(self) -> Fleet:
+        return DisaggFleet(self.setup, self.disagg) if self.disagg else Fleet(self.setup)
+
+
+def load_simulation(path: str | Path, seed: int | None = None) -> Simulation:
+    return parse_simulation(_read(path), seed)
+
+
+def parse_simulation(raw: dict, seed: int | None = None) -> Simulation:
+    setup = parse(raw, seed)
+    scaling, disagg = raw.get("autoscale"), raw.get("disagg")
+    if scaling is not None and disagg is not None:
+        raise ValueError("autoscale and disagg cannot be combined: the autoscaler sizes one pool")
+    if scaling is not None:
+        return Simulation(setup, scaling=_scaling(scaling))
+    if disagg is not None:
+        return Simulation(setup, disagg=_disagg(disagg, raw, setup))
+    return Simulation(setup)
+
+
 def load(path: str | Path, seed: int | None = None) -> FleetSetup:
+    return parse(_read(path), seed)
+
+
+def _read(path: str | Path) -> dict:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no simulation config at {path}")
@@ -37,7 +81,9 @@ def load(path: str | Path, seed: int | None = None) -> FleetSetup:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ValueError(f"{path} is not valid YAML: {e}") from None
-    return parse(raw, seed)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: a simulation config is a mapping of settings")
+    return raw
 
 
 def _keys(raw: dict | None, known: set[str], where: str) -> dict:
@@ -86,6 +132,38 @@ def parse(raw: dict, seed: int | None = None) -> FleetSetup:
         load_interval_s=float(_positive(gateway.get("load_interval_s", 1.0), "gateway.load_interval_s")),
         quota=bool(gateway.get("quota", True)), fast=bool(engine.get("fast", True)),
         gpus_per_replica=describe["tensor_parallel"], describe=describe)
+
+
+def _scaling(raw) -> ScalingSetup:
+    raw = _keys(raw, AUTOSCALE, "autoscale")
+    settings = section(AutoscaleSettings, raw.get("settings"), "autoscale.settings")
+    unknown = sorted(set(settings.pools) - {POOL})
+    if unknown:
+        raise ValueError(f"autoscale.settings.pools: the simulated fleet is one pool named {POOL!r}, "
+                         f"not {', '.join(unknown)}")
+    cold = _positive(raw.get("cold_start_s", settings.cold_start_s), "autoscale.cold_start_s", zero=True)
+    return ScalingSetup(settings, cold_start_s=float(cold))
+
+
+def _disagg(raw, top: dict, setup: FleetSetup) -> DisaggSpec:
+    raw = _keys(raw, DISAGG, "disagg")
+    for name in ("prefill_replicas", "decode_replicas"):
+        if name not in raw:
+            raise ValueError(f"disagg.{name} is required (fleet.replicas is not used with disagg)")
+    model = _model((top.get("fleet") or {}).get("model", "llama-70b"))
+    kv_dtype = str((top.get("fleet") or {}).get("kv_dtype", "fp16"))
+    budget = raw.get("prefill_batched_tokens")
+    spec = DisaggSpec(
+        _positive(raw["prefill_replicas"], "disagg.prefill_replicas", integer=True),
+        _positive(raw["decode_replicas"], "disagg.decode_replicas", integer=True),
+        model.kv_bytes_per_token(kv_dtype),
+        float(_positive(raw.get("link_gb_per_s", 50), "disagg.link_gb_per_s")) * GB,
+        float(_positive(raw.get("link_efficiency", 0.8), "disagg.link_efficiency")),
+        float(_positive(raw.get("transfer_latency_s", 0.002), "disagg.transfer_latency_s", zero=True)),
+        None if budget is None else _positive(budget, "disagg.prefill_batched_tokens", integer=True))
+    if setup.workload.cancel_probability > 0:
+        raise ValueError("disagg does not model cancellations: set workload.cancel_probability to 0")
+    return spec
 
 
 def _model(raw) -> ModelShape:

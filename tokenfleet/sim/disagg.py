@@ -22,10 +22,10 @@ from dataclasses import dataclass, replace
 
 from tokenfleet.engine.request import Request, SamplingParams
 from tokenfleet.sim.fleet import Fleet, FleetSetup, make_policy
+from tokenfleet.sim.hardware import GB
 from tokenfleet.sim.records import SimRequest
 from tokenfleet.sim.replica import SimReplica
 
-GB = 1e9
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,23 @@ def build_report(fleet: Fleet, wall_s: float) -> dict:
     }
 
 
+def scaling_report(scaled) -> dict:
+    """What the autoscaler did (sim/autoscaling.ScaledFleet): its GPU-hours replace the fixed fleet's."""
+    records = scaled.records
+    return {"mode": scaled.settings.mode, "cold_start_s": scaled.scaling.cold_start_s,
+            "gpu_hours": round(scaled.gpu_hours, 4), "events": dict(scaled.events), "decisions": len(records),
+            "peak_replicas": max((r.ready + r.starting + r.draining for r in records), default=0),
+            "replicas_at_end": len(scaled.fleet.replicas),
+            "batch_allowed_share": round(sum(r.batch_allowed for r in records) / len(records), 4) if records else None}
+
+
+def disagg_report(fleet) -> dict:
+    """The prefill and decode pools (sim/disagg.DisaggFleet): KV transfers between them."""
+    return {"prefill_replicas": len(fleet.prefill), "decode_replicas": len(fleet.decode),
+            "transfers": fleet.transfers, "recomputed": fleet.recomputed,
+            "transfer_ms_mean": _ms(fleet.transfer_s_total / fleet.transfers) if fleet.transfers else None}
+
+
 def summary(report: dict) -> str:
     s, t = report["setup"], report["totals"]
     lines = [f"{s.get('model', '?')} on {s['replicas']} replicas ({s.get('gpu', '?')}, "
@@ -85,6 +102,15 @@ def summary(report: dict) -> str:
                      f"{r['quota_refused']:>6}{r['delayed']:>8}{_fmt(r['ttft_ms']['p50']):>10}"
                      f"{_fmt(r['ttft_ms']['p99']):>9}{_fmt(r['itl_ms']['p50']):>9}{_fmt(r['itl_ms']['p99']):>8}"
                      f"{_pct(r['goodput']['share_of_completed']):>9}{_pct(r['prefix_hit_rate']):>6}")
+    if "autoscaling" in report:
+        a = report["autoscaling"]
+        lines.append(f"autoscaler ({a['mode']}, cold start {a['cold_start_s']:g} s): {a['events']}, peak "
+                     f"{a['peak_replicas']} replicas, {a['replicas_at_end']} at the end; batch allowed "
+                     f"{_pct(a['batch_allowed_share'])} of decisions")
+    if "disaggregated" in report:
+        d = report["disaggregated"]
+        lines.append(f"{d['prefill_replicas']} prefill + {d['decode_replicas']} decode replicas: {d['transfers']} "
+                     f"KV transfers (mean {_fmt(d['transfer_ms_mean'])} ms), {d['recomputed']} recomputed")
     lines.append(f"(latencies in ms; goodput: completed within the SLO; wall time {report['wall_s']:.1f} s, "
                  f"{report['requests_per_wall_minute']} simulated requests per wall minute)")
     return "\n".join(lines)

@@ -10,6 +10,7 @@ import pytest
 from tests.autoscale.toy import ToyPool, run
 from tokenfleet.autoscale import (AutoscaleSettings, Autoscaler, CurveForecast, PoolPolicy, PoolSignals,
                                   ReplicaSignals, allocate, victims)
+from tokenfleet.autoscale.policy import Decision, batch_gate
 
 HOUR = 3600.0
 
@@ -54,6 +55,39 @@ def test_batch_work_does_not_make_the_pool_grow():
     policy = Autoscaler(settings())
     d = decide(policy, 0, ready=1, in_flight=30, batch_in_flight=28, kv_usage_mean=0.9, replicas=replicas(30))
     assert d.desired == 1, d.reason
+
+
+def test_batch_prompts_waiting_on_the_replicas_do_not_make_the_pool_grow():
+    """The projected TTFT counts every prompt queued on the replicas: its need is taken at the interactive share of
+    the requests in flight, as KV usage's is."""
+    interactive = decide(Autoscaler(settings()), 0, ready=2, in_flight=10, projected_ttft_s=2.0,
+                         replicas=replicas(5, 5))
+    assert interactive.desired == 4 and "ttft needs 4.00" in interactive.reason
+    mostly_batch = decide(Autoscaler(settings()), 0, ready=2, in_flight=10, batch_in_flight=8, projected_ttft_s=2.0,
+                          replicas=replicas(5, 5))
+    assert mostly_batch.desired == 2 and mostly_batch.need == pytest.approx(2 * 2.0 * 0.2), mostly_batch.reason
+
+
+def test_in_the_trough_the_batch_tier_is_paced_to_the_spare_replicas_prefill_rate():
+    policy = Autoscaler(settings())  # cooldown_s 30: the trough must last that long
+    quiet = dict(ready=4, in_flight=10, replicas=replicas(3, 3, 2, 2), prefill_tokens_per_s=4000.0)
+    d = decide(policy, 0, **quiet)
+    assert not d.batch_allowed and d.batch_tokens_per_s == 0 and d.spare_replicas == pytest.approx(3.0)
+    d = decide(policy, 30, **quiet)
+    assert d.batch_allowed and d.batch_tokens_per_s == pytest.approx(3.0 * 4000.0), "need 1 of 4: 3 spare"
+    d = decide(policy, 40, **{**quiet, "in_flight": 30})
+    assert not d.batch_allowed and d.batch_tokens_per_s == 0, "need 3 of 4 is no trough"
+
+
+def test_the_batch_gate_of_a_model_is_its_pools_paces_together_and_closed_if_one_is():
+    signals = {key: PoolSignals(key, model="chat", region=key[5:]) for key in ("chat/eu", "chat/us")}
+    signals["code"] = PoolSignals("code")
+    open_ = {"chat/eu": Decision("chat/eu", 2, "", batch_allowed=True, batch_tokens_per_s=1000.0),
+             "chat/us": Decision("chat/us", 2, "", batch_allowed=True, batch_tokens_per_s=500.0),
+             "code": Decision("code", 1, "")}
+    assert batch_gate(signals, open_) == {"chat": 1500.0, "code": 0.0}
+    one_busy = {**open_, "chat/us": Decision("chat/us", 3, "")}
+    assert batch_gate(signals, one_busy) == {"chat": 0.0, "code": 0.0}
 
 
 def test_quiet_scales_down_only_after_the_delay_the_cool_down_and_the_drain():

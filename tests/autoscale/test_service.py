@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from tests.dispatch.sim import Grant
 from tests.gateway.inprocess import multi_model_gateway
 from tokenfleet.autoscale import AutoscaleSettings, PoolPolicy
 from tokenfleet.autoscale.service import add_autoscaler
@@ -112,7 +113,9 @@ async def test_the_service_drains_removes_and_starts_through_the_router_and_the_
     decisions = await service.step()  # chat: 2 ready, 2 in flight (need 1): drain the newest idle one
     assert decisions["chat/default"].desired == 1 and decisions["chat/default"].drain == ["b"]
     assert gateway.router.models["chat"].replicas["b"].draining
-    assert gateway.admission.batch_allowed == {"chat": True, "code": True}, "idle capacity: batch may use it"
+    pace = gateway.admission.batch_pace
+    assert pace.keys() == {"chat", "code"} and all(rate > 0 for rate in pace.values()), "idle capacity: batch uses it"
+    assert pace["chat"] == pytest.approx(decisions["chat/default"].spare_replicas * 1000), "at their prefill rate"
     decisions = await service.step()
     assert decisions["chat/default"].remove == ["b"] and "b" not in gateway.router.models["chat"].replicas
     assert orchestrator.stopped == ["b"]
@@ -121,13 +124,15 @@ async def test_the_service_drains_removes_and_starts_through_the_router_and_the_
     assert decisions["code/default"].desired == 2 and orchestrator.started == [("code", "default", 1)]
     decisions = await service.step()
     assert decisions["code/default"].start == 0, "the one starting counts"
-    assert gateway.admission.batch_allowed == {"chat": True, "code": False}, "code has no room to spare"
+    assert gateway.admission.batch_pace["chat"] > 0 and gateway.admission.batch_pace["code"] == 0, \
+        "code has no room to spare"
     text = gateway.render_metrics().decode()
     for line in ('tokenfleet_autoscale_desired_replicas{model="code",pool="default"} 2.0',
                  'tokenfleet_autoscale_ready_replicas{model="chat",pool="default"} 1.0',
                  'tokenfleet_autoscale_starting_replicas{model="code",pool="default"} 1.0',
                  'tokenfleet_autoscale_in_flight_requests{model="code",pool="default"} 8.0',
                  'tokenfleet_autoscale_batch_allowed{model="code",pool="default"} 0.0',
+                 'tokenfleet_autoscale_batch_tokens_per_second{model="code",pool="default"} 0.0',
                  'tokenfleet_autoscale_scale_events_total{direction="up",model="code",pool="default"} 1.0'):
         assert line in text, line
 
@@ -143,13 +148,18 @@ async def test_without_an_orchestrator_it_only_decides_and_exports(demo_model_di
     assert 'tokenfleet_autoscale_desired_replicas{model="chat",pool="default"} 1.0' in gateway.render_metrics().decode()
 
 
-async def test_the_batch_gate_pauses_the_batch_tier_between_ladder_updates(demo_model_dir):
+async def test_the_batch_gate_pauses_or_paces_the_batch_tier_at_ladder_updates(demo_model_dir):
     gateway, _ = fleet(demo_model_dir)
     dispatcher, ladder = gateway.admission.dispatchers["chat"], OverloadLadder()
-    ladder.apply(dispatcher, allow_batch=False)
+    ladder.apply(dispatcher, 0.0)
     assert dispatcher.snapshot().tiers["batch"].paused
-    ladder.apply(dispatcher, allow_batch=True)
+    ladder.apply(dispatcher, 1000.0)
     assert not dispatcher.snapshot().tiers["batch"].paused
+    dispatcher.submit(Ticket("b1", "org", "batch", 400), Grant())  # the ladder's 1 s target: 500 tokens a 0.5 s
+    dispatcher.submit(Ticket("b2", "org", "batch", 400), Grant())
+    dispatcher.submit(Ticket("b3", "org", "batch", 400), Grant())
+    batch = dispatcher.snapshot().tiers["batch"]
+    assert batch.in_use == 2 and batch.queued == 1 and batch.at_limit
 
 
 def test_autoscaling_a_model_the_fleet_does_not_serve_is_an_error(demo_model_dir):

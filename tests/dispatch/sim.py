@@ -25,6 +25,22 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
+class Grant:
+    """A synchronous grant for Dispatcher.submit."""
+
+    def __init__(self) -> None:
+        self.slot = None
+
+    def done(self) -> bool:
+        return self.slot is not None
+
+    def set_result(self, slot) -> None:
+        self.slot = slot
+
+    def result(self):
+        return self.slot
+
+
 @dataclass
 class PoolSim:
     dispatcher: Dispatcher

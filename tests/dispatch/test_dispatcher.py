@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from tests.dispatch.sim import FakeClock, settle
+from tests.dispatch.sim import FakeClock, Grant, settle
 from tokenfleet.config import TierConfig, default_tiers
 from tokenfleet.dispatch import Dispatcher, Ticket
 
@@ -258,3 +258,53 @@ def test_served_tokens_reconcile_the_fair_share():
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     run(main())
+
+
+def test_a_limit_paces_the_grants_of_its_tiers_together_over_a_window():
+    clock = FakeClock()
+    tiers = {"paid": TierConfig(0, 1), "batch": TierConfig(0, 1), "bulk": TierConfig(0, 1)}
+    d = Dispatcher(tiers, slots=10, clock=clock)
+    d.set_limit(["batch", "bulk"], 250, window_s=1.0)
+    batch = [Grant() for _ in range(3)]
+    for i, grant in enumerate(batch):
+        d.submit(ticket(i, tier="batch"), grant)
+    bulk, paid = Grant(), Grant()
+    d.submit(ticket(3, tier="bulk"), bulk)
+    d.submit(ticket(4, tier="paid"), paid)
+    # 100 + 100 is below 250: a third goes too, then the two tiers together are at their limit; paid is not limited
+    assert [g.done() for g in batch] == [True, True, True] and not bulk.done() and paid.done()
+    snap = d.snapshot()
+    assert snap.tiers["bulk"].at_limit and snap.tiers["batch"].at_limit and not snap.tiers["paid"].at_limit
+    assert snap.queued_tokens == 100 and snap.served_queued_tokens == 0, "a queue held back is ahead of no one"
+    d.release(batch[0].result())  # a pace, not a share of the pool: a finished request frees nothing
+    assert not bulk.done()
+    clock.now = 1.0  # the window has passed: the next call grants what is due
+    d.set_limit(["batch", "bulk"], 250, window_s=1.0)
+    assert bulk.done() and d.snapshot().tiers["bulk"].in_use == 1
+
+
+def test_a_ticket_larger_than_its_limit_goes_alone_and_none_lifts_the_limit():
+    clock = FakeClock()
+    d = Dispatcher(TIERS, slots=10, clock=clock)
+    d.set_limit(["batch"], 50, window_s=2.0)
+    big, small = Grant(), Grant()
+    d.submit(ticket(1, tier="batch", cost=500), big)
+    d.submit(ticket(2, tier="batch", cost=10), small)
+    assert big.done() and not small.done()
+    d.set_limit(["batch"], 0, window_s=2.0)
+    clock.now = 5.0
+    d.set_limit(["batch"], 0, window_s=2.0)
+    assert not small.done(), "a limit of 0 grants nothing"
+    d.set_limit(["batch"], None)
+    assert small.done() and not d.snapshot().tiers["batch"].at_limit
+
+
+@pytest.mark.parametrize("args, message", [
+    ((["nope"], 10), "unknown tier"),
+    ((["batch"], -1), "max_tokens"),
+    ((["batch"], 1.5), "max_tokens"),
+    ((["batch"], 10, 0.0), "window_s"),
+])
+def test_bad_limits_are_named(args, message):
+    with pytest.raises(ValueError, match=message):
+        Dispatcher(TIERS, slots=1).set_limit(*args)

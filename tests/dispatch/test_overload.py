@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tests.dispatch.sim import FakeClock, settle
+from tests.dispatch.sim import FakeClock, Grant, settle
 from tokenfleet.config import default_tiers
 from tokenfleet.dispatch import Dispatcher, LoadSignal, OverloadLadder, OverloadSettings, Plan, Ticket
 from tokenfleet.dispatch import projected_ttft_s
@@ -137,6 +137,34 @@ def test_apply_pauses_and_resumes_the_batch_tier():
         assert batch.done() and not d.snapshot().tiers["batch"].paused
         OverloadLadder(OverloadSettings(batch_tiers=("batch", "bulk")), clock=clock).apply(d)  # unknown: skipped
     asyncio.run(main())
+
+
+def test_apply_paces_the_batch_tier_to_the_batch_gate():
+    """The gate's tokens/s are granted over the level-1 threshold of projected TTFT (0.5 s here): 1,000 tokens."""
+    clock = FakeClock()
+    ladder = OverloadLadder(SETTINGS, clock=clock)
+    d = Dispatcher(default_tiers(), slots=10, clock=clock)
+    ladder.apply(d, 0.0)
+    for i in range(4):
+        d.submit(Ticket(f"b{i}", "org", "batch", 600), Grant())
+    assert d.snapshot().tiers["batch"].paused and d.snapshot().tiers["batch"].in_use == 0, "closed: nothing goes"
+    ladder.apply(d, 2000.0)
+    batch = d.snapshot().tiers["batch"]
+    assert not batch.paused and batch.in_use == 2 and batch.queued == 2 and batch.at_limit  # 600 < 1,000 <= 1,200
+    clock.now = 0.5
+    ladder.apply(d, 2000.0)
+    assert d.snapshot().tiers["batch"].in_use == 4, "a window later: the rest"
+    ladder.update(load(0.6))
+    ladder.apply(d, None)
+    d.submit(Ticket("b4", "org", "batch", 1), Grant())
+    assert d.snapshot().tiers["batch"].paused and d.snapshot().tiers["batch"].queued == 1, "level 1 pauses batch"
+    ladder.update(load(0.0))
+    ladder.update(load(0.0))
+    clock.now = 20.0
+    ladder.update(load(0.0))
+    assert ladder.level == 0
+    ladder.apply(d, None)
+    assert d.snapshot().tiers["batch"].in_use == 5, "no gate: no pace"
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -45,6 +45,8 @@ DECISION_GAUGES = {
                                             lambda d: d.spare_replicas),
     "tokenfleet_autoscale_batch_allowed": ("1 when the batch tier may run (the trough).",
                                            lambda d: int(d.batch_allowed)),
+    "tokenfleet_autoscale_batch_tokens_per_second": ("The batch tier's pace in the trough: the spare replicas' "
+                                                     "prefill rate (0 outside it).", lambda d: d.batch_tokens_per_s),
     "tokenfleet_autoscale_forecast_rate": ("The forecast's peak arrival rate (requests/s) over the cold-start "
                                            "look-ahead.", lambda d: d.forecast_rps),
 }

@@ -3,9 +3,10 @@ simulator drive the very same object (`Autoscaler.decide(now, signals)`).
 
 Per pool, each decision:
 1. Need, in (fractional) replicas, is the largest of: interactive requests in flight or queued over
-   target_in_flight; ready x KV usage (its interactive share) over target_kv_usage; ready x projected TTFT over
-   target_ttft_s. In forecast mode also: the measured arrival rate, and the forecast's peak between now and a cold
-   start ahead, over replica_rps; then the warm buffer is added on top.
+   target_in_flight; ready x KV usage over target_kv_usage; ready x projected TTFT over target_ttft_s (these two
+   at their interactive share: the requests in flight that are not batch). In forecast mode also: the measured
+   arrival rate, and the forecast's peak between now and a cold start ahead, over replica_rps; then the warm buffer
+   is added on top.
 2. The target goes up at once when the need asks for more. It goes down only when, for the whole of
    scale_down_delay_s, even the need at scale_down_utilization x the targets stayed below it, and cooldown_s after
    the last change, by scale_down_step at most: hysteresis in size and in time, so noise does not flap it.
@@ -14,7 +15,9 @@ Per pool, each decision:
    started if the budget has room. Shrinking drains the least busy (newest on ties) removable replicas; a drained
    replica is removed only once it reports nothing running or waiting (or after max_drain_s).
 5. The batch tier may run while the pool's interactive need is at most batch_max_utilization of its ready
-   replicas and nothing is being scaled up: the trough.
+   replicas and nothing is being scaled up: the trough. It then gets batch_tokens_per_s, the spare replicas'
+   prefill rate, as its pace: a backlog that piled up outside the trough is let go at that pace, not all at once
+   (the replicas' queued prefill is the projected TTFT the overload ladder sheds free requests on).
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ class Decision:
     remove: list[str] = field(default_factory=list)  # drained and empty: stop them
     batch_allowed: bool = False
     spare_replicas: float = 0.0  # ready replicas beyond the interactive need (with the warm buffer)
+    batch_tokens_per_s: float = 0.0  # the batch tiers' pace: spare_replicas x prefill rate (0 outside the trough)
     need: float = 0.0  # replicas the signals call for, before the buffer, min and max
     forecast_rps: float | None = None  # the forecast's peak over the look-ahead
 
@@ -145,7 +149,8 @@ class Autoscaler:
             share = 1.0 if not s.in_flight else max(0, s.in_flight - s.batch_in_flight) / s.in_flight
             terms["kv_usage"] = s.ready * s.kv_usage_mean * share / p.target_kv_usage
             ttft = s.projected_ttft_s
-            terms["ttft"] = s.ready * ttft / p.target_ttft_s if math.isfinite(ttft) else float(p.max_replicas)
+            terms["ttft"] = (s.ready * ttft * share / p.target_ttft_s if math.isfinite(ttft)
+                             else float(p.max_replicas))
         forecast_rps = None
         if self.settings.mode == "forecast" and p.replica_rps > 0:
             terms["arrivals"] = s.arrival_rate / p.replica_rps
@@ -209,6 +214,22 @@ class Autoscaler:
         elif st.batch_since is None:
             st.batch_since = now
         d.batch_allowed = trough and now - st.batch_since >= self.settings.cooldown_s
+        if d.batch_allowed:
+            d.batch_tokens_per_s = d.spare_replicas * s.prefill_tokens_per_s
+
+
+def batch_gate(signals: Mapping[str, PoolSignals], decisions: Mapping[str, Decision]) -> dict[str, float]:
+    """Model -> its batch tiers' pace in tokens/s (OverloadLadder.apply holds them to it): its pools' paces
+    together, but 0 unless every pool of the model allows batch (the router sends a request to the nearest pool with
+    room, which may be the busy one)."""
+    pace: dict[str, float] = {}
+    closed: set[str] = set()
+    for key, d in decisions.items():
+        model = signals[key].model or key
+        pace[model] = pace.get(model, 0.0) + d.batch_tokens_per_s
+        if not d.batch_allowed:
+            closed.add(model)
+    return {model: 0.0 if model in closed else rate for model, rate in pace.items()}
 
 
 def victims(replicas: list[ReplicaSignals], count: int) -> list[ReplicaSignals]:

@@ -11,7 +11,7 @@ from typing import Protocol
 
 from tokenfleet.autoscale.local import LocalOrchestrator
 from tokenfleet.autoscale.metrics import AutoscaleCollector
-from tokenfleet.autoscale.policy import Autoscaler, Decision
+from tokenfleet.autoscale.policy import Autoscaler, Decision, batch_gate
 from tokenfleet.autoscale.signals import GatewaySignals, PoolSignals, pool_key
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class AutoscaleService:
         self._record(decisions)
         self.signals, self.decisions = signals, decisions
         if self.policy.settings.batch_gate:
-            self.admission.batch_allowed = batch_gate(signals, decisions)
+            self.admission.batch_pace = batch_gate(signals, decisions)
         if orchestrator is not None:
             for key, decision in decisions.items():
                 await self._apply(signals[key], decision)
@@ -84,16 +84,6 @@ class AutoscaleService:
             await self.orchestrator.stop(name)
         if d.start:
             await self.orchestrator.start(s.model, s.region, d.start)
-
-
-def batch_gate(signals: dict[str, PoolSignals], decisions: dict[str, Decision]) -> dict[str, bool]:
-    """Model -> may its batch tiers run: only while every pool of the model has spare capacity (the router sends
-    a request to the nearest pool with room, which may be the busy one)."""
-    gate: dict[str, bool] = {}
-    for key, d in decisions.items():
-        model = signals[key].model or key
-        gate[model] = gate.get(model, True) and d.batch_allowed
-    return gate
 
 
 def add_autoscaler(gateway, config) -> AutoscaleService | None:

@@ -116,7 +116,7 @@ class AutoscaleSettings:
     max_drain_s: float = 900.0  # a draining replica is stopped after this even if still busy (its SIGTERM drain)
     budget: int | None = None  # replicas across all pools (the GPUs there are); none: no shared limit
     batch_max_utilization: float = 0.5  # the batch tier runs while interactive need is at most this x ready
-    batch_gate: bool = True  # pause the batch tiers of a pool while the autoscaler says it has no spare capacity
+    batch_gate: bool = True  # batch tiers run only in the trough, paced to the spare replicas' prefill rate
     rate_window_s: float = 60.0  # smoothing of the measured arrival rate
     pools: dict = field(default_factory=dict)  # model (or model/region) -> PoolPolicy settings; else the defaults
     local: LocalSettings = field(default_factory=LocalSettings)

@@ -62,6 +62,7 @@ class PoolSignals:
     arrival_rate: float = 0.0  # interactive requests/s, smoothed
     replicas: list[ReplicaSignals] = field(default_factory=list)  # optional: without them nothing is drained
     unavailable: int = 0  # in the pool but neither ready nor draining (ejected by health checks)
+    prefill_tokens_per_s: float = 0.0  # one replica's prefill rate (0: unknown)
 
     @property
     def interactive_demand(self) -> int:
@@ -136,7 +137,7 @@ def pool_signals(key: str, replicas: list[ReplicaSignals], snapshot: DispatchSna
         in_flight=_in_flight(replicas), batch_in_flight=split["batch_in_use"],
         batch_queued=split["batch_queued"], kv_usage_mean=sum(kv) / len(kv) if kv else 0.0,
         kv_usage_max=max(kv, default=0.0), projected_ttft_s=ttft, arrival_rate=arrival_rate, replicas=replicas,
-        unavailable=sum(not r.draining and not r.healthy for r in replicas))
+        unavailable=sum(not r.draining and not r.healthy for r in replicas), prefill_tokens_per_s=prefill_tokens_per_s)
 
 
 def _in_flight(replicas: list[ReplicaSignals]) -> int:

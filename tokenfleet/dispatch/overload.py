@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, fields
 from typing import Protocol
 
@@ -104,6 +104,8 @@ class Pausable(Protocol):
 
     def pause(self, tier: str, paused: bool = True) -> None: ...
 
+    def set_limit(self, tiers: Collection[str], max_tokens: int | None, window_s: float = 1.0) -> None: ...
+
 
 class OverloadLadder:
     def __init__(self, settings: OverloadSettings | None = None, clock: Callable[[], float] = time.monotonic) -> None:
@@ -142,11 +144,20 @@ class OverloadLadder:
             return Plan("queue", None, None, None, level, queue_delay_s=self.projected_ttft_s)
         return Plan("admit", None, None, None, level)
 
-    def apply(self, dispatcher: Pausable, allow_batch: bool = True) -> None:
-        """Pause the dispatcher's batch tiers from level 1 up (or when `allow_batch` is false), resume them below."""
-        for tier in self.settings.batch_tiers:
-            if tier in dispatcher.tier_names:
-                dispatcher.pause(tier, self.level >= 1 or not allow_batch)
+    def apply(self, dispatcher: Pausable, batch_tokens_per_s: float | None = None) -> None:
+        """Pause the dispatcher's batch tiers from level 1 up, resume them below. `batch_tokens_per_s` (the
+        autoscaler's batch gate: the spare replicas' prefill rate) paces them: within any window as long as the
+        level-1 TTFT threshold they get at most that rate x the window, so a backlog let go when the gate opens
+        raises the projected TTFT by at most the spare replicas' share of that threshold. 0 pauses them; None: no
+        gate, no pace."""
+        tiers = [tier for tier in self.settings.batch_tiers if tier in dispatcher.tier_names]
+        if not tiers:
+            return
+        window = self.settings.threshold_s(1)
+        limit = None if batch_tokens_per_s is None else math.ceil(batch_tokens_per_s * window)
+        dispatcher.set_limit(tiers, limit, window)
+        for tier in tiers:
+            dispatcher.pause(tier, self.level >= 1 or limit == 0)
 
     def _move(self, level: int, ttft: float) -> None:
         up = level > self.level

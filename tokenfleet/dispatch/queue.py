@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -53,10 +54,21 @@ class _Waiter:
         return self.ticket.enqueued_at
 
 
+@dataclass(frozen=True)
+class _Limit:
+    """These tiers together are granted at most max_tokens (tickets' cost) within any window_s."""
+
+    tiers: tuple[str, ...]
+    max_tokens: int
+    window_s: float
+
+
 @dataclass
 class _Tier:
     queue: TenantRoundRobin
     paused: bool = False
+    limit: _Limit | None = None
+    granted: deque = field(default_factory=deque)  # (when, cost) of its recent grants, kept while it has a limit
     dispatched: int = 0
     dispatched_tokens: int = 0
     wait_s_total: float = 0.0
@@ -149,6 +161,27 @@ class Dispatcher:
         self._tier(tier).paused = paused
         self._pump()
 
+    def set_limit(self, tiers: Collection[str], max_tokens: int | None, window_s: float = 1.0) -> None:
+        """These tiers together are granted at most `max_tokens` of tickets' cost within any `window_s` (None: no
+        limit): a pace, so work that piled up while they were held back leaves at that pace, not all at once. A grant
+        needs them below it (one ticket larger than the limit still goes alone). Tickets keep queueing meanwhile.
+        Nothing wakes the queue when a window passes: the next submit, release or set_* call grants what is due
+        (the gateway sets the limit again at every load update)."""
+        names = tuple(dict.fromkeys(tiers))
+        for name in names:
+            self._tier(name)
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                       or max_tokens < 0):
+            raise ValueError(f"max_tokens must be a whole number >= 0 or None, got {max_tokens!r}")
+        if not window_s > 0:
+            raise ValueError(f"window_s must be positive, got {window_s!r}")
+        limit = None if max_tokens is None else _Limit(names, max_tokens, window_s)
+        for name in names:
+            self._tiers[name].limit = limit
+            if limit is None:
+                self._tiers[name].granted.clear()
+        self._pump()
+
     def snapshot(self) -> DispatchSnapshot:
         now = self._clock()
         tiers = {name: self._tier_snapshot(state, now) for name, state in self._tiers.items()}
@@ -226,7 +259,7 @@ class Dispatcher:
         if not self._reserved_queued:
             return None
         for tenant in self._reservations.behind(self._reserved_queued):
-            heads = [tier.queue.head(tenant) for tier in self._tiers.values() if not tier.paused]
+            heads = [tier.queue.head(tenant) for tier in self._tiers.values() if self._serving(tier)]
             heads = [head for head in heads if head is not None]
             if heads:
                 waiter = min(heads, key=lambda w: w.seq)
@@ -236,9 +269,24 @@ class Dispatcher:
         return None
 
     def _pick_fair(self) -> _Waiter | None:
-        backlogged = [name for name, tier in self._tiers.items() if tier.queue.queued and not tier.paused]
+        backlogged = [name for name, tier in self._tiers.items() if tier.queue.queued and self._serving(tier)]
         name = self._fair.choose(backlogged)
         return None if name is None else self._tiers[name].queue.pop()
+
+    def _serving(self, tier: _Tier) -> bool:
+        return not tier.paused and not self._at_limit(tier)
+
+    def _at_limit(self, tier: _Tier) -> bool:
+        limit = tier.limit
+        if limit is None:
+            return False
+        since, total = self._clock() - limit.window_s, 0
+        for name in limit.tiers:
+            granted = self._tiers[name].granted
+            while granted and granted[0][0] <= since:
+                granted.popleft()
+            total += sum(cost for _, cost in granted)
+        return total >= limit.max_tokens
 
     def _grant(self, waiter: _Waiter) -> None:
         ticket, now = waiter.ticket, self._clock()
@@ -253,6 +301,8 @@ class Dispatcher:
         tier.dispatched_tokens += ticket.cost
         tier.wait_s_total += slot.waited_s
         tier.in_use += 1
+        if tier.limit is not None:
+            tier.granted.append((now, ticket.cost))
         self._pool.in_use += 1
         self._pool.held[slot.slot_id] = slot
         waiter.state = "granted"
@@ -270,4 +320,5 @@ class Dispatcher:
         return TierSnapshot(queued=tier.queue.queued, queued_tokens=tier.queue.queued_tokens,
                             oldest_wait_s=0.0 if oldest is None else max(0.0, now - oldest), paused=tier.paused,
                             dispatched=tier.dispatched, dispatched_tokens=tier.dispatched_tokens,
-                            wait_s_total=tier.wait_s_total, cancelled=tier.cancelled, in_use=tier.in_use)
+                            wait_s_total=tier.wait_s_total, cancelled=tier.cancelled, in_use=tier.in_use,
+                            at_limit=self._at_limit(tier))

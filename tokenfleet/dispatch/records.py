@@ -43,6 +43,7 @@ class TierSnapshot:
     wait_s_total: float  # summed over dispatched requests
     cancelled: int  # left the queue without a slot
     in_use: int = 0  # slots its requests hold now
+    at_limit: bool = False  # it (with the tiers sharing its limit) got all its limit allows for now
 
 
 @dataclass
@@ -55,6 +56,7 @@ class DispatchSnapshot:
 
     @property
     def served_queued_tokens(self) -> int:
-        """Queued tokens of the tiers being served: a paused tier's queue is ahead of no one. (Counting it kept the
-        overload ladder's projected TTFT up once it paused batch, so it never came back down while batch arrived.)"""
-        return sum(t.queued_tokens for t in self.tiers.values() if not t.paused)
+        """Queued tokens of the tiers being served: a paused tier's queue, or one at its limit, is ahead of no one.
+        (Counting it kept the overload ladder's projected TTFT up once it paused batch, so it never came back down
+        while batch arrived.)"""
+        return sum(t.queued_tokens for t in self.tiers.values() if not (t.paused or t.at_limit))

@@ -49,7 +49,7 @@ class Admission:
         """One dispatcher (fair queue by tier, then tenant) per model; one quota and one ladder per gateway."""
         self.quota, self.dispatchers, self.ladder = quota, dispatchers, ladder
         self.outputs = OutputEstimate()
-        self.batch_allowed: dict[str, bool] = {}  # model -> may its batch tiers run (the autoscaler's trough)
+        self.batch_pace: dict[str, float] = {}  # model -> its batch tiers' tokens/s (the autoscaler's batch gate)
         self.shed: Counter[tuple[str]] = Counter()  # by (tier,)
         self.refusals: Counter[tuple[str, str]] = Counter()  # by (tier, reason)
 
@@ -106,7 +106,7 @@ async def watch_load(admission: Admission, router, interval_s: float, slots_per_
                      prefill_tokens_per_s: float) -> None:
     """Every interval: size each model's dispatcher to its replicas taking work, project the time to first token
     from the queues and the replicas' load reports (the router keeps those fresh), move the overload ladder, and
-    pause or resume the batch tier accordingly (paused too where the autoscaler sees no spare capacity)."""
+    pause or resume the batch tier accordingly (paced to the spare capacity the autoscaler sees, if it gates it)."""
     while True:
         replicas = 0
         for model, dispatcher in admission.dispatchers.items():
@@ -118,7 +118,7 @@ async def watch_load(admission: Admission, router, interval_s: float, slots_per_
                                            sum(s.in_use for s in snapshots), sum(s.slots for s in snapshots),
                                            prefill_tokens_per_s * replicas))
         for model, dispatcher in admission.dispatchers.items():
-            admission.ladder.apply(dispatcher, admission.batch_allowed.get(model, True))
+            admission.ladder.apply(dispatcher, admission.batch_pace.get(model))
         await asyncio.sleep(interval_s)
 
 

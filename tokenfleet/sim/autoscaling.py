@@ -7,8 +7,8 @@ orchestrator and the router carry it out:
 - start: a replica is launched and joins the router `cold_start_s` later (fetching and loading weights); it holds
   its GPUs from the launch;
 - drain / undrain: the router stops / resumes sending it requests; what it holds runs to the end;
-- batch gate (`batch_gate`): the batch tiers run only while the decision allows them (the trough), as the
-  gateway's admission does;
+- batch gate (`batch_gate`): the batch tiers run only while the decision allows them (the trough), at its pace
+  (batch_tokens_per_s), as the gateway's admission does;
 - remove: it is stopped once it is empty. The policy may ask to remove a replica still busy after `max_drain_s`;
   the simulator then waits for it to empty (a SIGTERM drain), so no request is ever dropped.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenfleet.autoscale.forecast import CurveForecast, Forecast
-from tokenfleet.autoscale.policy import Autoscaler, Decision
+from tokenfleet.autoscale.policy import Autoscaler, Decision, batch_gate
 from tokenfleet.autoscale.settings import AutoscaleSettings
 from tokenfleet.autoscale.signals import PoolSignals, RateMeter, ReplicaSignals, dispatch_split, pool_signals
 from tokenfleet.sim.fleet import Fleet
@@ -56,6 +56,7 @@ class ScalingRecord:
     queued: int
     reason: str
     batch_allowed: bool = False
+    batch_tokens_per_s: float = 0.0
 
 
 @dataclass
@@ -129,7 +130,7 @@ class ScaledFleet:
         signals = self.signals(now)
         decision = self.autoscaler.decide(now, {POOL: signals})[POOL]
         if self.settings.batch_gate:  # as the gateway's service: the ladder applies it at its next load update
-            self.fleet.gateway.batch_allowed = decision.batch_allowed
+            self.fleet.gateway.batch_pace = sum(batch_gate({POOL: signals}, {POOL: decision}).values())
         self._apply(decision, now)
         self._record(now, signals, decision)
         if now + self.settings.interval_s <= self.fleet.end_s:
@@ -184,7 +185,7 @@ class ScaledFleet:
             round(now, 6), d.desired, round(d.need, 4), s.ready, s.starting, s.draining, round(s.arrival_rate, 4),
             None if d.forecast_rps is None else round(d.forecast_rps, 4),
             round(min(s.projected_ttft_s, 1e9), 4), round(s.kv_usage_mean, 4), s.queued_requests, d.reason,
-            d.batch_allowed))
+            d.batch_allowed, round(d.batch_tokens_per_s, 4)))
 
 
 def _interactive_share(spec: WorkloadSpec, batch_tiers: tuple[str, ...]) -> float:

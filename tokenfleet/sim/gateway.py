@@ -51,7 +51,7 @@ class SimGateway:
         self.tiers, self.clock, self.ladder, self.dispatcher, self.quota = tiers, clock, ladder, dispatcher, quota
         self._scopes: dict[tuple[str, str, str], tuple[Scope, Scope]] = {}
         self._waiting: dict[SimRequest, object] = {}
-        self.batch_allowed = True  # the autoscaler's trough (gateway/admission.py: Admission.batch_allowed)
+        self.batch_pace: float | None = None  # the autoscaler's batch gate (gateway/admission.py: Admission.batch_pace)
 
     def admit(self, sreq: SimRequest, on_slot: Callable[[SimRequest], None]) -> str | None:
         """Ladder, quota, fair queue. Returns why it was refused ("shed", "quota"), or None: `on_slot(sreq)` runs
@@ -102,13 +102,13 @@ class SimGateway:
 
     def update_load(self, replicas: int, slots_per_replica: int, replica_queued_tokens: int,
                     prefill_tokens_per_s: float) -> int:
-        """What watch_load does every interval: size the pool, project TTFT, move the ladder, pause batch (from
-        level 1, or while the autoscaler's batch gate is closed)."""
+        """What watch_load does every interval: size the pool, project TTFT, move the ladder, pause batch from
+        level 1 and pace it to the autoscaler's batch gate."""
         self.dispatcher.set_slots(slots_per_replica * replicas)
         snap = self.dispatcher.snapshot()
         level = self.ladder.update(LoadSignal(snap.served_queued_tokens, replica_queued_tokens, snap.in_use,
                                               snap.slots, prefill_tokens_per_s * replicas))
-        self.ladder.apply(self.dispatcher, self.batch_allowed)
+        self.ladder.apply(self.dispatcher, self.batch_pace)
         return level
 
     def _scopes_of(self, sreq: SimRequest) -> tuple[Scope, Scope]:

@@ -119,3 +119,26 @@ def test_higher_class_preempts_lower_and_never_the_reverse():
     sched.add(batch)
     run_step(sched, 3)
     assert high.num_preemptions == 0
+
+
+def test_free_blocks_are_taken_unused_first_then_never_used_then_least_recently_cached():
+    """The free list's order: blocks freed without a cached prefix, then blocks never used (created only when first
+    taken), then blocks holding a cached prefix, least recently freed first."""
+    blocks = KVBlockManager(6, BLOCK, 0, watermark=0.0)
+    assert blocks.num_free_blocks == 6 and blocks.blocks == [] and blocks.usage() == 0.0
+    cached = Request("cached", list(range(2 * BLOCK)), SamplingParams(max_tokens=1))
+    blocks.admit(cached, [], 2 * BLOCK)
+    cached.num_computed_tokens = 2 * BLOCK
+    blocks.cache_full_blocks(cached)
+    scratch = Request("scratch", list(range(100, 100 + BLOCK - 1)), SamplingParams(max_tokens=1))
+    blocks.admit(scratch, [], BLOCK - 1)
+    assert (cached.block_table, scratch.block_table) == ([0, 1], [2])
+    assert len(blocks.blocks) == 3 and blocks.num_free_blocks == 3 and blocks.usage() == 0.5
+    blocks.free_request(cached)  # cached prefixes: kept, taken last
+    blocks.free_request(scratch)  # nothing cached: taken first
+    taker = Request("taker", list(range(200, 200 + 6 * BLOCK)), SamplingParams(max_tokens=1))
+    blocks.admit(taker, [], 6 * BLOCK)
+    assert taker.block_table == [2, 3, 4, 5, 1, 0]  # the scratch block, the never used ones, then LRU cached
+    assert blocks.num_free_blocks == 0 and blocks.cached == {}  # evicting took the cached prefixes out
+    blocks.free_request(taker)
+    assert blocks.num_free_blocks == 6

@@ -3,6 +3,11 @@
 Every device block is in exactly one of two states: owned (ref_count > 0, in one or more block tables) or free
 (ref_count == 0, in the LRU free list). A free block may still hold a cached prefix (it has a hash): it is reused
 on a prefix hit, or evicted - least recently used first - when a fresh block is needed.
+
+The free list's order is: blocks freed without a cached prefix (last freed first), then blocks never used yet (in
+id order), then blocks holding a cached prefix (least recently used first). Blocks never used exist only as a
+count until they are first taken, so a manager of a million blocks costs nothing up front (the fleet simulator
+builds hundreds of them).
 """
 from __future__ import annotations
 
@@ -46,22 +51,19 @@ class KVBlockManager:
                  enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU order, front evicted first
+        self.num_blocks = num_blocks
+        self.blocks: list[Block] = []  # the blocks used so far: ids 0 .. len - 1, created in id order
+        self.free: OrderedDict[int, None] = OrderedDict()  # used blocks that are free, front taken first
         self.cached: dict[bytes, int] = {}
         self.free_host: list[int] = list(range(num_host_blocks))
         self.watermark_blocks = max(1, int(watermark * num_blocks)) if watermark > 0 else 0
 
     @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
-
-    @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        return len(self.free) + self.num_blocks - len(self.blocks)
 
     def usage(self) -> float:
-        return 1.0 - len(self.free) / len(self.blocks)
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -72,12 +74,14 @@ class KVBlockManager:
         """Cached blocks holding the longest prefix of the request's tokens (always leaving one token to compute)."""
         if not self.enable_prefix_caching:
             return []
-        req.block_hashes = prefix_block_hashes(req.token_ids, self.block_size, req.block_hashes)
-        usable = (req.num_tokens - 1) // self.block_size
+        bs = self.block_size
+        req.block_hashes = prefix_block_hashes(req.token_ids, bs, req.block_hashes)
+        usable = (req.num_tokens - 1) // bs
+        cached, blocks, tokens = self.cached, self.blocks, req.token_ids
         hits = []
         for i, key in enumerate(req.block_hashes[:usable]):
-            block_id = self.cached.get(key)
-            if block_id is None or self.blocks[block_id].token_ids != self._block_tokens(req, i):
+            block_id = cached.get(key)
+            if block_id is None or blocks[block_id].token_ids != tokens[i * bs:(i + 1) * bs]:  # a collision
                 break
             hits.append(block_id)
         return hits
@@ -86,23 +90,19 @@ class KVBlockManager:
         """Registers the request's newly computed full blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        num_full = req.num_computed_tokens // self.block_size
-        if num_full <= req.num_cached_blocks:  # no block filled since the last call (most decode steps)
+        bs = self.block_size
+        first, num_full = req.num_cached_blocks, req.num_computed_tokens // bs
+        if num_full <= first:  # no block filled since the last call (most decode steps)
             return
         if len(req.block_hashes) < num_full:  # keys are a function of the tokens, which only grow: keep known ones
-            req.block_hashes = prefix_block_hashes(req.token_ids[:num_full * self.block_size], self.block_size,
-                                                   req.block_hashes)
-        for i in range(req.num_cached_blocks, num_full):
-            block = self.blocks[req.block_table[i]]
-            key = req.block_hashes[i]
-            if block.hash is None and key not in self.cached:
-                block.hash, block.token_ids = key, self._block_tokens(req, i)
-                self.cached[key] = block.block_id
-        req.num_cached_blocks = max(req.num_cached_blocks, num_full)
-
-    def _block_tokens(self, req: Request, i: int) -> list[int]:
-        """A copy of the request's i-th block of tokens (a list slice: one copy, compared element by element)."""
-        return req.token_ids[i * self.block_size:(i + 1) * self.block_size]
+            req.block_hashes = prefix_block_hashes(req.token_ids[:num_full * bs], bs, req.block_hashes)
+        blocks, cached, keys, table, tokens = self.blocks, self.cached, req.block_hashes, req.block_table, req.token_ids
+        for i in range(first, num_full):
+            block, key = blocks[table[i]], keys[i]
+            if block.hash is None and key not in cached:
+                block.hash, block.token_ids = key, tokens[i * bs:(i + 1) * bs]  # a copy, for the collision check
+                cached[key] = block.block_id
+        req.num_cached_blocks = num_full
 
     # --- allocation ---------------------------------------------------------------------------------------
 
@@ -113,7 +113,7 @@ class KVBlockManager:
         return revived + fresh
 
     def can_admit(self, cost: int) -> bool:
-        return len(self.free) - cost >= self.watermark_blocks
+        return self.num_free_blocks - cost >= self.watermark_blocks
 
     def admit(self, req: Request, hits: list[int], num_new_tokens: int) -> None:
         for block_id in hits:
@@ -130,6 +130,10 @@ class KVBlockManager:
         for _ in range(self.blocks_needed(req, num_new_tokens)):
             req.block_table.append(self._take_free())
 
+    def take_block(self, req: Request) -> None:
+        """One fresh block at the end of the request's table (what grow does when its next token starts a block)."""
+        req.block_table.append(self._take_free())
+
     def free_request(self, req: Request) -> None:
         """Drops the request's references; blocks keep their cached contents, the tail ones are evicted first."""
         for block_id in reversed(req.block_table):
@@ -143,9 +147,15 @@ class KVBlockManager:
         req.num_cached_blocks = 0
 
     def _take_free(self) -> int:
-        """A fresh block, owned once: the least recently used free one, its cached prefix evicted."""
-        block_id, _ = self.free.popitem(last=False)
-        block = self.blocks[block_id]
+        """A fresh block, owned once: the front of the free list (see the module's docstring), its cached prefix
+        evicted."""
+        free, blocks = self.free, self.blocks
+        if len(blocks) < self.num_blocks and (not free or blocks[next(iter(free))].hash is not None):
+            block = Block(len(blocks), ref_count=1)  # the next block never used yet
+            blocks.append(block)
+            return block.block_id
+        block_id, _ = free.popitem(last=False)
+        block = blocks[block_id]
         if block.hash is not None:
             if self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]

@@ -48,26 +48,26 @@ class PrefixIndex:
     def record(self, hashes: Sequence[bytes], replica: str) -> None:
         """Notes that `replica` now holds these blocks (the leading blocks of one prompt, in order)."""
         entries, keep = self._entries, self.replicas_per_block
-        is_new = [key not in entries for key in hashes]
+        child_is_new = False  # the block after this one was not in the index: this one gains a continuation
         # Deepest block first, so the shared leading blocks end up most recently used and are evicted last:
         # without block 0 the later blocks of the chain can never match again.
         for key in reversed(hashes):
             entry = entries.get(key)
-            if entry is None:
+            is_new = entry is None
+            if is_new:
                 entry = entries[key] = IndexEntry()
             else:
                 entries.move_to_end(key)
-                holders = entry.holders
-                if holders and holders[0] == replica:  # already the newest holder (a conversation's next turn)
-                    continue
+            if child_is_new:
+                entry.continuations += 1
+            child_is_new = is_new
             holders = entry.holders
+            if holders and holders[0] == replica:  # already the newest holder (a conversation's next turn)
+                continue
             if replica in holders:
                 holders.remove(replica)
             holders.insert(0, replica)
             del holders[keep:]
-        for i in range(1, len(hashes)):
-            if is_new[i]:
-                entries[hashes[i - 1]].continuations += 1
         while len(entries) > self.max_entries:
             entries.popitem(last=False)
 

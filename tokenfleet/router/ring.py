@@ -14,6 +14,9 @@ def ring_point(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 
+ORDER_NAMES_KEPT = 1 << 20  # remembered orders hold at most this many names in all (then all are forgotten)
+
+
 class HashRing:
     def __init__(self, replicas: Iterable[str] = (), vnodes: int = 100) -> None:
         if vnodes < 1:
@@ -22,6 +25,7 @@ class HashRing:
         self._ring: list[tuple[int, str]] = []  # (point, owner), sorted; equal points ordered by name
         self._points: list[int] = []  # the points alone, for bisect
         self._replicas: set[str] = set()
+        self._orders: dict[bytes, list[str]] = {}  # order() by key, while the ring does not change
         for replica in replicas:
             self.add(replica)
 
@@ -42,6 +46,7 @@ class HashRing:
         points = [(ring_point(f"{replica}#{i}".encode()), replica) for i in range(self.vnodes)]
         self._ring = sorted(self._ring + points)
         self._points = [point for point, _ in self._ring]
+        self._orders.clear()
 
     def remove(self, replica: str) -> None:
         if replica not in self._replicas:
@@ -49,9 +54,19 @@ class HashRing:
         self._replicas.discard(replica)
         self._ring = [entry for entry in self._ring if entry[1] != replica]
         self._points = [point for point, _ in self._ring]
+        self._orders.clear()
 
     def order(self, key: bytes) -> list[str]:
-        """Every replica once, in ring order from the key's point: the key's first choice, then its fallbacks."""
+        """Every replica once, in ring order from the key's point: the key's first choice, then its fallbacks.
+        Remembered per key until the ring changes (a conversation asks again at every turn)."""
+        order = self._orders.get(key)
+        if order is None:
+            if len(self._orders) * len(self._replicas) >= ORDER_NAMES_KEPT:
+                self._orders.clear()
+            order = self._orders[key] = self._walk(key)
+        return list(order)
+
+    def _walk(self, key: bytes) -> list[str]:
         if not self._points:
             return []
         start = bisect.bisect_left(self._points, ring_point(key))

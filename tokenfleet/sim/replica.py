@@ -246,10 +246,9 @@ class SimReplica:
         the same up to block relabelling)."""
         takes = self._takes[step % self.spec.block_size]
         if takes:
-            grow, offset = self._blocks.grow, step - 2
+            take = self._blocks.take_block
             for p in list(takes.values()):
-                p.req.num_computed_tokens = p.base_tokens + offset - p.base_step
-                grow(p.req, 1)
+                take(p.req)
 
     def _register_blocks(self, step: int) -> None:
         """The blocks parked requests fill in `step`, registered in the prefix cache in the scheduler's order (the
@@ -330,6 +329,7 @@ class SimReplica:
         sreq.tokens_out, sreq.preemptions = req.num_output_tokens, req.num_preemptions
         sreq.cached_tokens = max(req.num_cached_tokens, 0)
         self.sink.finished(sreq, now, reason)
+        req.sim = None  # type: ignore[attr-defined]  # no cycle left: both are freed by reference counting
 
     # --- runs of parked steps ------------------------------------------------------------------------------
 

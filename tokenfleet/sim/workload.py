@@ -156,7 +156,8 @@ class Workload:
         if len(prompt) + out_n > spec.max_model_len:
             return None
         output = list(range(base + (1 << 16), base + (1 << 16) + out_n))
-        hashes = block_keys(prompt + output, self.block_size, conv.history_hashes)
+        known = len(conv.history_hashes) * self.block_size  # the history's blocks have their keys already
+        hashes = block_keys(prompt[known:] + output, self.block_size, conv.history_hashes)
         cancel = rng.uniform(0.5, 1.0 + 0.03 * out_n) if rng.random() < spec.cancel_probability else None
         sreq = SimRequest(f"c{conv.cid}t{conv.turn}", conv.tier, conv.tenant, conv.user, priority, prompt, output,
                           hashes, now, conversation=conv.cid, turn=conv.turn, cancel_after=cancel)
@@ -173,13 +174,14 @@ class Workload:
 
 
 def block_keys(token_ids: list[int], block_size: int, start: list[bytes]) -> list[bytes]:
-    """Prefix-cache keys for every full block of `token_ids`, chained over the parent's key like the engine's
+    """Prefix-cache keys for every full block of a token sequence, chained over the parent's key like the engine's
     (`prefix_block_hashes`), but with Python's tuple hash instead of BLAKE2: the simulator hands these keys to the
     engine (Request.block_hashes) and to the router (choose(hashes=...)), which only ever compare them, and the
-    engine still checks a hit's tokens. The same tokens always give the same keys, in every process."""
+    engine still checks a hit's tokens. The same tokens always give the same keys, in every process.
+    `start`: the keys of the sequence's leading blocks, known already; `token_ids`: the tokens after them."""
     keys = list(start)
     parent = int.from_bytes(keys[-1], "little") if keys else 0
-    for i in range(len(keys), len(token_ids) // block_size):
+    for i in range(len(token_ids) // block_size):
         parent = hash((parent, *token_ids[i * block_size:(i + 1) * block_size])) & 0xFFFF_FFFF_FFFF_FFFF
         keys.append(parent.to_bytes(8, "little"))
     return keys

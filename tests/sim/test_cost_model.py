@@ -5,7 +5,9 @@ import dataclasses
 
 import pytest
 
-from tokenfleet.sim.cost_model import CostModel, StepBatch, kv_cache_blocks, roofline
+from tokenfleet.sim.calibration import Measured, ProfiledCostModel, ScatteredCostModel, speed_profile
+from tokenfleet.sim.cost_model import CostModel, StepBatch, StepCoefficients, kv_cache_blocks, roofline
+from tokenfleet.sim.events import SimClock
 from tokenfleet.sim.hardware import hardware
 from tokenfleet.sim.models import model_shape
 
@@ -74,3 +76,37 @@ def test_decode_times_are_decode_time_step_by_step(combine: str) -> None:
     times = model.decode_times(37, 40_000, 37, 500)  # contexts grow by one token per sequence per step
     assert times == [model.decode_time(37, 40_000 + 37 * k) for k in range(500)]  # the same floats
     assert times[-1] > times[0]
+
+
+def _coefficients() -> StepCoefficients:
+    return StepCoefficients(overhead_s=0.01, per_sequence_s=0.0, per_token_s=0.001, per_attention_pair_s=0.0,
+                            weights_s=0.0, per_kv_token_s=0.0, combine="sum")
+
+
+def test_the_scattered_model_multiplies_each_step_by_a_measured_ratio() -> None:
+    plain = CostModel(_coefficients())
+    batch = StepBatch(prefill_tokens=10, sequences=1)  # 0.01 + 10 x 0.001 = 0.02 s
+    scattered = ScatteredCostModel(_coefficients(), [0.5, 2.0], seed=1)
+    times = {round(scattered.step_time(batch) / plain.step_time(batch), 9) for _ in range(50)}
+    assert times == {0.5, 2.0}  # only measured ratios, both drawn
+    a, b = (ScatteredCostModel(_coefficients(), [0.5, 1.0, 2.0], seed=7) for _ in range(2))
+    assert a.decode_times(4, 100, 4, 20) == b.decode_times(4, 100, 4, 20)  # same seed, same draws
+    with pytest.raises(ValueError, match="no measured steps"):
+        ScatteredCostModel(_coefficients(), [], seed=0)
+
+
+def test_a_runs_speed_profile_slows_the_model_where_the_run_was_slow() -> None:
+    batch = StepBatch(prefill_tokens=10, sequences=1)  # predicted 0.02 s
+    # steps of 0.02 s for the first 2 s of the engine's clock, then of 0.03 s (1.5x slower)
+    measured, t = Measured(), 0.0
+    for duration in [0.02] * 100 + [0.03] * 100:
+        t += duration
+        measured.batches.append(batch), measured.durations.append(duration), measured.ends.append(t)
+    profile = speed_profile(measured, _coefficients(), window_s=2.0)
+    assert [round(f, 6) for _, f in profile] == [1.0, 1.5, 1.5]
+    clock = SimClock()
+    model = ProfiledCostModel(_coefficients(), profile, clock)
+    assert model.step_time(batch) == pytest.approx(0.02)
+    clock.now = 2.5
+    assert model.step_time(batch) == pytest.approx(0.03)
+    assert model.decode_times(1, 0, 0, 3) == pytest.approx([1.5 * CostModel(_coefficients()).decode_time(1, 0)] * 3)

@@ -3,6 +3,7 @@ measured duration, fit the step-time coefficients by least squares, and replay a
 real time to compare with the simulator."""
 from __future__ import annotations
 
+import bisect
 import random
 import time
 from dataclasses import dataclass, field
@@ -76,6 +77,7 @@ class Measured:
     makespan_s: float = 0.0
     batches: list[StepBatch] = field(default_factory=list)
     durations: list[float] = field(default_factory=list)
+    ends: list[float] = field(default_factory=list)  # the engine's clock at the end of each step
 
 
 def synthetic_arrivals(seed: int, n: int, rate: float, vocab: int) -> list[Arrival]:
@@ -125,6 +127,7 @@ def replay(engine: Engine, arrivals: list[Arrival], clock: str = "cpu") -> Measu
         now = now + duration if clock == "cpu" else time.perf_counter() - start
         result.batches.append(recorder.last)
         result.durations.append(duration)
+        result.ends.append(now)
         for out in outputs:
             if out.request_id not in result.ttft:
                 result.ttft[out.request_id] = now
@@ -176,6 +179,41 @@ class ScatteredCostModel(CostModel):
         return [t * choice(self.ratios) for t in super().decode_times(sequences, contexts, growth, count)]
 
 
+class ProfiledCostModel(CostModel):
+    """Diagnostic: the cost model slowed or sped up over time as a real run's machine was: `profile` holds (start
+    of a window of the engine's clock, measured / predicted step time in it), `clock` is the simulation's. It tells
+    how much of a difference in a time-sensitive number (a tail) comes from the machine's speed changing during
+    the run rather than from the scheduling model."""
+
+    def __init__(self, coefficients: StepCoefficients, profile: list[tuple[float, float]], clock) -> None:
+        super().__init__(coefficients)
+        self.starts, self.factors, self.clock = [t for t, _ in profile], [f for _, f in profile], clock
+
+    def _factor(self) -> float:
+        i = bisect.bisect_right(self.starts, self.clock.now) - 1
+        return self.factors[max(i, 0)]
+
+    def step_time(self, batch: StepBatch) -> float:
+        return super().step_time(batch) * self._factor()
+
+    def decode_time(self, sequences: int, contexts: int) -> float:
+        return super().decode_time(sequences, contexts) * self._factor()
+
+    def decode_times(self, sequences: int, contexts: int, growth: int, count: int) -> list[float]:
+        factor = self._factor()
+        return [t * factor for t in super().decode_times(sequences, contexts, growth, count)]
+
+
+def speed_profile(measured: Measured, coefficients: StepCoefficients, window_s: float) -> list[tuple[float, float]]:
+    """A real run's speed over time: measured / predicted step time per window of the engine's clock."""
+    model, sums = CostModel(coefficients), {}
+    for batch, duration, end in zip(measured.batches, measured.durations, measured.ends):
+        key = int((end - duration) // window_s)
+        got, want = sums.get(key, (0.0, 0.0))
+        sums[key] = (got + duration, want + model.step_time(batch))
+    return [(k * window_s, got / want) for k, (got, want) in sorted(sums.items()) if want > 0]
+
+
 class _Sink:
     def __init__(self, result: Measured) -> None:
         self.result = result
@@ -194,15 +232,16 @@ class _Sink:
         pass
 
 
-def simulate(arrivals: list[Arrival], spec, cost) -> Measured:
-    """The same arrivals on one simulated replica (the engine's scheduler and block manager, the cost model)."""
+def simulate(arrivals: list[Arrival], spec, cost, clock=None) -> Measured:
+    """The same arrivals on one simulated replica (the engine's scheduler and block manager, the cost model).
+    `clock`: the SimClock to run on (a cost model that reads the simulated time shares it)."""
     from tokenfleet.engine.kv_blocks import prefix_block_hashes
     from tokenfleet.sim.events import EventQueue, SimClock
     from tokenfleet.sim.records import SimRequest
     from tokenfleet.sim.replica import SimReplica
 
     result = Measured()
-    events = EventQueue(SimClock())
+    events = EventQueue(clock or SimClock())
     replica = SimReplica("sim", spec, cost, events, _Sink(result))
     for i, a in enumerate(arrivals):
         output = [(i * 7919 + k) % 1000 for k in range(a.max_tokens)]  # never matched by another request

@@ -96,17 +96,13 @@ class KVBlockManager:
             return
         if len(req.block_hashes) < num_full:  # keys are a function of the tokens, which only grow: keep known ones
             req.block_hashes = prefix_block_hashes(req.token_ids[:num_full * bs], bs, req.block_hashes)
+        blocks, cached, keys, table, tokens = self.blocks, self.cached, req.block_hashes, req.block_table, req.token_ids
         for i in range(first, num_full):
-            self.cache_block(req, i)
+            block, key = blocks[table[i]], keys[i]
+            if block.hash is None and key not in cached:
+                block.hash, block.token_ids = key, tokens[i * bs:(i + 1) * bs]  # a copy, for the collision check
+                cached[key] = block.block_id
         req.num_cached_blocks = num_full
-
-    def cache_block(self, req: Request, i: int) -> None:
-        """Registers the request's i-th block (full, computed, its key known) unless its key is cached already."""
-        block, key = self.blocks[req.block_table[i]], req.block_hashes[i]
-        if block.hash is None and key not in self.cached:
-            bs = self.block_size
-            block.hash, block.token_ids = key, req.token_ids[i * bs:(i + 1) * bs]  # a copy, for the collision check
-            self.cached[key] = block.block_id
 
     # --- allocation ---------------------------------------------------------------------------------------
 

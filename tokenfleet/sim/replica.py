@@ -254,17 +254,11 @@ class SimReplica:
         """The blocks parked requests fill in `step`, registered in the prefix cache in the scheduler's order (the
         first to register a key wins, should two blocks share it)."""
         registers = self._registers[step % self.spec.block_size]
-        if registers and self._blocks.enable_prefix_caching:
-            blocks, offset, bs = self._blocks, step - 1, self.spec.block_size
+        if registers:
+            cache_full_blocks, offset = self._blocks.cache_full_blocks, step - 1
             for p in (sorted(registers.values(), key=_rank) if len(registers) > 1 else registers.values()):
-                req, computed = p.req, p.base_tokens + offset - p.base_step
-                full = computed // bs  # the blocks its computed tokens fill now: the last one is new
-                if full <= len(req.block_hashes):
-                    blocks.cache_block(req, full - 1)
-                    req.num_cached_blocks = full
-                else:  # its key is not known yet (only the prompt's were given): the engine's way hashes it
-                    req.num_computed_tokens = computed
-                    blocks.cache_full_blocks(req)
+                p.req.num_computed_tokens = p.base_tokens + offset - p.base_step
+                cache_full_blocks(p.req)
 
     def _parked_step_time(self, step: int) -> float:
         n = len(self.parked)

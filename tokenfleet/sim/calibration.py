@@ -156,7 +156,24 @@ def residual_ratios(coefficients: StepCoefficients, batches: list[StepBatch], du
     return [d / p for d, p in ((d, model.step_time(b)) for b, d in zip(batches, durations)) if p > 0 and d > 0]
 
 
-class ScatteredCostModel(CostModel):
+class _RescaledCostModel(CostModel):
+    """The cost model with every step's time multiplied by `_factor()`, asked once per step."""
+
+    def _factor(self) -> float:
+        raise NotImplementedError
+
+    def step_time(self, batch: StepBatch) -> float:
+        return super().step_time(batch) * self._factor()
+
+    def decode_time(self, sequences: int, contexts: int) -> float:
+        return super().decode_time(sequences, contexts) * self._factor()
+
+    def decode_times(self, sequences: int, contexts: int, growth: int, count: int) -> list[float]:
+        factor = self._factor
+        return [t * factor() for t in super().decode_times(sequences, contexts, growth, count)]
+
+
+class ScatteredCostModel(_RescaledCostModel):
     """The cost model with the real steps' scatter: each step's time is multiplied by a ratio drawn (seeded) from
     measured ones (residual_ratios), so that simulations with different seeds spread as repeated real runs of one
     workload do. Near the KV limit a tail percentile or a preemption count moves a lot with small timing changes;
@@ -168,18 +185,11 @@ class ScatteredCostModel(CostModel):
             raise ValueError("no measured steps to take the scatter from")
         self.ratios, self.rng = ratios, random.Random(seed)
 
-    def step_time(self, batch: StepBatch) -> float:
-        return super().step_time(batch) * self.rng.choice(self.ratios)
-
-    def decode_time(self, sequences: int, contexts: int) -> float:
-        return super().decode_time(sequences, contexts) * self.rng.choice(self.ratios)
-
-    def decode_times(self, sequences: int, contexts: int, growth: int, count: int) -> list[float]:
-        choice = self.rng.choice
-        return [t * choice(self.ratios) for t in super().decode_times(sequences, contexts, growth, count)]
+    def _factor(self) -> float:
+        return self.rng.choice(self.ratios)
 
 
-class ProfiledCostModel(CostModel):
+class ProfiledCostModel(_RescaledCostModel):
     """Diagnostic: the cost model slowed or sped up over time as a real run's machine was: `profile` holds (start
     of a window of the engine's clock, measured / predicted step time in it), `clock` is the simulation's. It tells
     how much of a difference in a time-sensitive number (a tail) comes from the machine's speed changing during
@@ -192,16 +202,6 @@ class ProfiledCostModel(CostModel):
     def _factor(self) -> float:
         i = bisect.bisect_right(self.starts, self.clock.now) - 1
         return self.factors[max(i, 0)]
-
-    def step_time(self, batch: StepBatch) -> float:
-        return super().step_time(batch) * self._factor()
-
-    def decode_time(self, sequences: int, contexts: int) -> float:
-        return super().decode_time(sequences, contexts) * self._factor()
-
-    def decode_times(self, sequences: int, contexts: int, growth: int, count: int) -> list[float]:
-        factor = self._factor()
-        return [t * factor for t in super().decode_times(sequences, contexts, growth, count)]
 
 
 def speed_profile(measured: Measured, coefficients: StepCoefficients, window_s: float) -> list[tuple[float, float]]:

@@ -5,7 +5,8 @@ import dataclasses
 
 import pytest
 
-from tokenfleet.sim.calibration import Measured, ProfiledCostModel, ScatteredCostModel, speed_profile
+from tokenfleet.sim.calibration import (DriftingCostModel, MachineNoise, Measured, ProfiledCostModel,
+                                        ScatteredCostModel, machine_noise, speed_profile)
 from tokenfleet.sim.cost_model import CostModel, StepBatch, StepCoefficients, kv_cache_blocks, roofline
 from tokenfleet.sim.events import SimClock
 from tokenfleet.sim.hardware import hardware
@@ -98,10 +99,7 @@ def test_the_scattered_model_multiplies_each_step_by_a_measured_ratio() -> None:
 def test_a_runs_speed_profile_slows_the_model_where_the_run_was_slow() -> None:
     batch = StepBatch(prefill_tokens=10, sequences=1)  # predicted 0.02 s
     # steps of 0.02 s for the first 2 s of the engine's clock, then of 0.03 s (1.5x slower)
-    measured, t = Measured(), 0.0
-    for duration in [0.02] * 100 + [0.03] * 100:
-        t += duration
-        measured.batches.append(batch), measured.durations.append(duration), measured.ends.append(t)
+    measured = _measured_run([(0.0, [0.02] * 100 + [0.03] * 100)], batch)
     profile = speed_profile(measured, _coefficients(), window_s=2.0)
     assert [round(f, 6) for _, f in profile] == [1.0, 1.5, 1.5]
     clock = SimClock()
@@ -110,3 +108,45 @@ def test_a_runs_speed_profile_slows_the_model_where_the_run_was_slow() -> None:
     clock.now = 2.5
     assert model.step_time(batch) == pytest.approx(0.03)
     assert model.decode_times(1, 0, 0, 3) == pytest.approx([1.5 * CostModel(_coefficients()).decode_time(1, 0)] * 3)
+
+
+def _measured_run(segments: list[tuple[float, list[float]]], batch: StepBatch) -> Measured:
+    """A run of back-to-back steps in each (start on the engine's clock, step durations) segment."""
+    measured = Measured()
+    for t, durations in segments:
+        for duration in durations:
+            t += duration
+            measured.batches.append(batch), measured.durations.append(duration), measured.ends.append(t)
+    return measured
+
+
+def test_machine_noise_splits_a_runs_timing_into_window_speeds_and_scatter_within_them() -> None:
+    batch = StepBatch(prefill_tokens=10, sequences=1)  # predicted 0.02 s
+    # window 0: steps alternate 0.8x and 1.2x (speed 1.0); window 1: steps alternate 1.2x and 1.8x (speed 1.5)
+    run = _measured_run([(0.0, [0.016, 0.024] * 45), (2.1, [0.024, 0.036] * 30)], batch)
+    noise = machine_noise(_coefficients(), [run, run], window_s=2.0)
+    assert [round(f, 6) for f in noise.drift] == [1.0, 1.5] * 2  # two runs, one after the other
+    assert {round(r, 6) for r in noise.ratios} == {0.8, 1.2}  # scatter without the window's speed
+    assert len(noise.ratios) == 2 * len(run.durations)
+
+
+def test_the_drifting_model_follows_the_measured_window_speeds_in_order_from_a_seeded_start() -> None:
+    batch = StepBatch(prefill_tokens=10, sequences=1)  # predicted 0.02 s
+    noise = MachineNoise(window_s=1.0, drift=[1.0, 2.0, 3.0], ratios=[1.0])
+    clock = SimClock()
+    model = DriftingCostModel(_coefficients(), noise, seed=3, clock=clock)
+    speeds = []
+    for now in (0.5, 1.5, 2.5, 3.5):
+        clock.now = now
+        speeds.append(round(model.step_time(batch) / 0.02, 6))
+    first = speeds[0]
+    assert speeds == [first, first % 3 + 1, (first + 1) % 3 + 1, first]  # consecutive windows, wrapping around
+    assert DriftingCostModel(_coefficients(), noise, seed=3, clock=SimClock()).start == model.start
+    # a run of steps priced at once: each step at the speed of the window it starts in
+    clock.now = 0.0
+    times = model.decode_times(1, 0, 0, 4)
+    step = CostModel(_coefficients()).decode_time(1, 0)
+    starts = [sum(times[:i]) for i in range(4)]
+    assert times == pytest.approx([step * noise.drift[(model.start + int(s)) % 3] for s in starts])
+    with pytest.raises(ValueError, match="no measured windows"):
+        DriftingCostModel(_coefficients(), MachineNoise(1.0, [], [1.0]), seed=0, clock=clock)

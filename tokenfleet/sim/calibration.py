@@ -157,7 +157,10 @@ def residual_ratios(coefficients: StepCoefficients, batches: list[StepBatch], du
 
 
 class _RescaledCostModel(CostModel):
-    """The cost model with every step's time multiplied by `_factor()`, asked once per step."""
+    """The cost model with every step's time multiplied by `_factor()`, asked once per step. For the steps of a
+    run priced at once (decode_times), `_ahead` is how far past the clock's time the step being priced starts."""
+
+    _ahead = 0.0
 
     def _factor(self) -> float:
         raise NotImplementedError
@@ -169,8 +172,12 @@ class _RescaledCostModel(CostModel):
         return super().decode_time(sequences, contexts) * self._factor()
 
     def decode_times(self, sequences: int, contexts: int, growth: int, count: int) -> list[float]:
-        factor = self._factor
-        return [t * factor() for t in super().decode_times(sequences, contexts, growth, count)]
+        times = []
+        for t in super().decode_times(sequences, contexts, growth, count):
+            times.append(t * self._factor())
+            self._ahead += times[-1]
+        self._ahead = 0.0
+        return times
 
 
 class ScatteredCostModel(_RescaledCostModel):
@@ -189,6 +196,46 @@ class ScatteredCostModel(_RescaledCostModel):
         return self.rng.choice(self.ratios)
 
 
+@dataclass
+class MachineNoise:
+    """How measured steps strayed from the cost model, in two parts: the machine's speed per window of the
+    engine's clock (measured / predicted, in time order), and each step's ratio to its window's speed."""
+    window_s: float
+    drift: list[float]
+    ratios: list[float]
+
+
+def machine_noise(coefficients: StepCoefficients, runs: list[Measured], window_s: float) -> MachineNoise:
+    model, noise = CostModel(coefficients), MachineNoise(window_s, [], [])
+    for measured in runs:
+        speeds = _window_speeds(measured, model, window_s)
+        noise.drift += [speeds[k] for k in sorted(speeds)]
+        for batch, duration, end in zip(measured.batches, measured.durations, measured.ends):
+            predicted = model.step_time(batch)
+            if predicted > 0 and duration > 0:
+                noise.ratios.append(duration / predicted / speeds[int((end - duration) // window_s)])
+    return noise
+
+
+class DriftingCostModel(ScatteredCostModel):
+    """ScatteredCostModel with the machine's speed drifting as it did while calibrating: simulated window k runs
+    at the measured window speed drift[(start + k) % len], `start` drawn from the seed, so slow stretches come and
+    last as measured ones did; each step is then scattered as steps were within their window. Near the KV limit a
+    slow stretch is what tips a run into preemptions and a long TTFT tail, which per-step scatter alone averages
+    away."""
+
+    def __init__(self, coefficients: StepCoefficients, noise: MachineNoise, seed: int, clock) -> None:
+        super().__init__(coefficients, noise.ratios, seed)
+        if not noise.drift:
+            raise ValueError("no measured windows to take the drift from")
+        self.drift, self.window_s, self.clock = noise.drift, noise.window_s, clock
+        self.start = self.rng.randrange(len(noise.drift))
+
+    def _factor(self) -> float:
+        window = int((self.clock.now + self._ahead) // self.window_s)
+        return self.drift[(self.start + window) % len(self.drift)] * super()._factor()
+
+
 class ProfiledCostModel(_RescaledCostModel):
     """Diagnostic: the cost model slowed or sped up over time as a real run's machine was: `profile` holds (start
     of a window of the engine's clock, measured / predicted step time in it), `clock` is the simulation's. It tells
@@ -200,18 +247,24 @@ class ProfiledCostModel(_RescaledCostModel):
         self.starts, self.factors, self.clock = [t for t, _ in profile], [f for _, f in profile], clock
 
     def _factor(self) -> float:
-        i = bisect.bisect_right(self.starts, self.clock.now) - 1
+        i = bisect.bisect_right(self.starts, self.clock.now + self._ahead) - 1
         return self.factors[max(i, 0)]
 
 
 def speed_profile(measured: Measured, coefficients: StepCoefficients, window_s: float) -> list[tuple[float, float]]:
     """A real run's speed over time: measured / predicted step time per window of the engine's clock."""
-    model, sums = CostModel(coefficients), {}
+    speeds = _window_speeds(measured, CostModel(coefficients), window_s)
+    return [(k * window_s, speeds[k]) for k in sorted(speeds)]
+
+
+def _window_speeds(measured: Measured, model: CostModel, window_s: float) -> dict[int, float]:
+    """Window number (of the engine's clock, by each step's start) -> measured / predicted step time in it."""
+    sums: dict[int, tuple[float, float]] = {}
     for batch, duration, end in zip(measured.batches, measured.durations, measured.ends):
         key = int((end - duration) // window_s)
         got, want = sums.get(key, (0.0, 0.0))
         sums[key] = (got + duration, want + model.step_time(batch))
-    return [(k * window_s, got / want) for k, (got, want) in sorted(sums.items()) if want > 0]
+    return {k: got / want if want > 0 else 1.0 for k, (got, want) in sums.items()}
 
 
 class _Sink:

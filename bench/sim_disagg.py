@@ -8,10 +8,8 @@ import sys
 import time
 
 from tokenfleet.sim import config
-from tokenfleet.sim.disagg import GB, DisaggFleet, DisaggSpec
 from tokenfleet.sim.fleet import Fleet
 from tokenfleet.sim.metrics import Metrics
-from tokenfleet.sim.models import model_shape
 from tokenfleet.sim.report import build_report
 from tokenfleet.sim.timeline import percentile
 
@@ -40,11 +38,9 @@ def build(raw: dict, layout: str, spec: dict) -> Fleet:
     prefill, decode = (int(x) for x in layout.split("+"))
     if (prefill + decode) * raw["fleet"].get("tensor_parallel", 1) != gpus:
         raise ValueError(f"layout {layout} does not use the {gpus} GPUs of the chunked fleet")
-    model = model_shape(raw["fleet"]["model"])
-    disagg = DisaggSpec(prefill, decode, model.kv_bytes_per_token(raw["fleet"].get("kv_dtype", "fp16")),
-                        spec["link_gb_per_s"] * GB, spec["link_efficiency"], spec["transfer_latency_s"],
-                        spec.get("prefill_batched_tokens"))
-    return DisaggFleet(config.parse(raw), disagg)
+    link = ("link_gb_per_s", "link_efficiency", "transfer_latency_s", "prefill_batched_tokens")
+    raw["disagg"] = {"prefill_replicas": prefill, "decode_replicas": decode, **{k: spec[k] for k in link if k in spec}}
+    return config.parse_simulation(raw).fleet()
 
 
 def one_run(raw: dict, layout: str, spec: dict, slos: list[dict]) -> dict:

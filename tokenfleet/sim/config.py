@@ -65,7 +65,7 @@ def parse_simulation(raw: dict, seed: int | None = None) -> Simulation:
     if scaling is not None:
         return Simulation(setup, scaling=_scaling(scaling))
     if disagg is not None:
-        return Simulation(setup, disagg=_disagg(disagg, raw, setup))
+        return Simulation(setup, disagg=_disagg(disagg, setup))
     return Simulation(setup)
 
 
@@ -131,7 +131,8 @@ def parse(raw: dict, seed: int | None = None) -> FleetSetup:
         quantum_tokens=_positive(gateway.get("quantum_tokens", 2048), "gateway.quantum_tokens", True),
         load_interval_s=float(_positive(gateway.get("load_interval_s", 1.0), "gateway.load_interval_s")),
         quota=bool(gateway.get("quota", True)), fast=bool(engine.get("fast", True)),
-        gpus_per_replica=describe["tensor_parallel"], describe=describe)
+        gpus_per_replica=describe["tensor_parallel"], kv_bytes_per_token=model.kv_bytes_per_token(describe["kv_dtype"]),
+        describe=describe)
 
 
 def _scaling(raw) -> ScalingSetup:
@@ -145,18 +146,16 @@ def _scaling(raw) -> ScalingSetup:
     return ScalingSetup(settings, cold_start_s=float(cold))
 
 
-def _disagg(raw, top: dict, setup: FleetSetup) -> DisaggSpec:
+def _disagg(raw, setup: FleetSetup) -> DisaggSpec:
     raw = _keys(raw, DISAGG, "disagg")
     for name in ("prefill_replicas", "decode_replicas"):
         if name not in raw:
             raise ValueError(f"disagg.{name} is required (fleet.replicas is not used with disagg)")
-    model = _model((top.get("fleet") or {}).get("model", "llama-70b"))
-    kv_dtype = str((top.get("fleet") or {}).get("kv_dtype", "fp16"))
     budget = raw.get("prefill_batched_tokens")
     spec = DisaggSpec(
         _positive(raw["prefill_replicas"], "disagg.prefill_replicas", integer=True),
         _positive(raw["decode_replicas"], "disagg.decode_replicas", integer=True),
-        model.kv_bytes_per_token(kv_dtype),
+        setup.kv_bytes_per_token,
         float(_positive(raw.get("link_gb_per_s", 50), "disagg.link_gb_per_s")) * GB,
         float(_positive(raw.get("link_efficiency", 0.8), "disagg.link_efficiency")),
         float(_positive(raw.get("transfer_latency_s", 0.002), "disagg.transfer_latency_s", zero=True)),

@@ -43,6 +43,7 @@ class FleetSetup:
     quota: bool = True
     fast: bool = True
     gpus_per_replica: int = 1
+    kv_bytes_per_token: int = 0  # one token's KV cache: what moving a prompt between pools costs (disagg)
     describe: dict = field(default_factory=dict)  # what the report prints about the setup
 
 

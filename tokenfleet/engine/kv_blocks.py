@@ -15,6 +15,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import islice
 from typing import Sequence
 
 from tokenfleet.engine.request import Request
@@ -74,16 +75,19 @@ class KVBlockManager:
         """Cached blocks holding the longest prefix of the request's tokens (always leaving one token to compute)."""
         if not self.enable_prefix_caching:
             return []
-        bs = self.block_size
-        req.block_hashes = prefix_block_hashes(req.token_ids, bs, req.block_hashes)
-        usable = (req.num_tokens - 1) // bs
-        cached, blocks, tokens = self.cached, self.blocks, req.token_ids
-        hits = []
-        for i, key in enumerate(req.block_hashes[:usable]):
+        bs, tokens = self.block_size, req.token_ids
+        if len(req.block_hashes) < len(tokens) // bs:
+            req.block_hashes = prefix_block_hashes(tokens, bs, req.block_hashes)
+        usable = (len(tokens) - 1) // bs
+        cached, blocks = self.cached, self.blocks
+        hits: list[int] = []
+        start = 0
+        for key in islice(req.block_hashes, usable):
             block_id = cached.get(key)
-            if block_id is None or blocks[block_id].token_ids != tokens[i * bs:(i + 1) * bs]:  # a collision
+            if block_id is None or blocks[block_id].token_ids != tokens[start:start + bs]:  # a miss, or a collision
                 break
             hits.append(block_id)
+            start += bs
         return hits
 
     def cache_full_blocks(self, req: Request) -> None:
@@ -94,21 +98,25 @@ class KVBlockManager:
         first, num_full = req.num_cached_blocks, req.num_computed_tokens // bs
         if num_full <= first:  # no block filled since the last call (most decode steps)
             return
-        if len(req.block_hashes) < num_full:  # keys are a function of the tokens, which only grow: keep known ones
-            req.block_hashes = prefix_block_hashes(req.token_ids[:num_full * bs], bs, req.block_hashes)
-        blocks, cached, keys, table, tokens = self.blocks, self.cached, req.block_hashes, req.block_table, req.token_ids
-        for i in range(first, num_full):
-            block, key = blocks[table[i]], keys[i]
-            if block.hash is None and key not in cached:
-                block.hash, block.token_ids = key, tokens[i * bs:(i + 1) * bs]  # a copy, for the collision check
-                cached[key] = block.block_id
+        keys = req.block_hashes
+        if len(keys) < num_full:  # keys are a function of the tokens, which only grow: keep known ones
+            keys = req.block_hashes = prefix_block_hashes(req.token_ids[:num_full * bs], bs, keys)
+        blocks, cached, tokens = self.blocks, self.cached, req.token_ids
+        for i, block_id in enumerate(req.block_table[first:num_full], first):
+            block = blocks[block_id]
+            if block.hash is None:
+                key = keys[i]
+                if key not in cached:
+                    block.hash, block.token_ids = key, tokens[i * bs:(i + 1) * bs]  # a copy, for the collision check
+                    cached[key] = block_id
         req.num_cached_blocks = num_full
 
     # --- allocation ---------------------------------------------------------------------------------------
 
     def admission_cost(self, req: Request, hits: list[int], num_new_tokens: int) -> int:
         """Free blocks that admitting the request with these prefix hits and this first chunk would consume."""
-        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        blocks = self.blocks
+        revived = sum(1 for b in hits if blocks[b].ref_count == 0)
         fresh = self.blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
         return revived + fresh
 
@@ -116,8 +124,7 @@ class KVBlockManager:
         return self.num_free_blocks - cost >= self.watermark_blocks
 
     def admit(self, req: Request, hits: list[int], num_new_tokens: int) -> None:
-        for block_id in hits:
-            self._ref(block_id)
+        self._ref(hits)
         req.block_table = list(hits)
         req.num_computed_tokens = len(hits) * self.block_size
         req.num_cached_blocks = len(hits)
@@ -139,8 +146,8 @@ class KVBlockManager:
         blocks, free = self.blocks, self.free
         for block_id in reversed(req.block_table):
             block = blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
+            ref_count = block.ref_count = block.ref_count - 1
+            if not ref_count:
                 free[block_id] = None
                 if block.hash is None:
                     free.move_to_end(block_id, last=False)  # nothing worth keeping: reuse it first
@@ -157,18 +164,22 @@ class KVBlockManager:
             return block.block_id
         block_id, _ = free.popitem(last=False)
         block = blocks[block_id]
-        if block.hash is not None:
-            if self.cached.get(block.hash) == block_id:
-                del self.cached[block.hash]
+        key = block.hash
+        if key is not None:
+            cached = self.cached
+            if cached.get(key) == block_id:
+                del cached[key]
             block.hash, block.token_ids = None, ()
         block.ref_count = 1
         return block_id
 
-    def _ref(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
-            del self.free[block_id]
-        block.ref_count += 1
+    def _ref(self, block_ids: list[int]) -> None:
+        blocks, free = self.blocks, self.free
+        for block_id in block_ids:
+            block = blocks[block_id]
+            if block.ref_count == 0:
+                del free[block_id]
+            block.ref_count += 1
 
     # --- swap space ---------------------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@ semantics as the Redis backend. A decision never awaits, so on one event loop it
 from __future__ import annotations
 
 import datetime as dt
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -23,6 +24,7 @@ class _Bucket:
 class _ScopeData:
     buckets: dict[str, _Bucket] = field(default_factory=dict)  # "rpm" / "tpm"
     live: dict[str, float] = field(default_factory=dict)  # request id -> lease expiry
+    next_expiry: float = math.inf  # no lease in `live` expires before this (a lower bound: released ones stay)
     day: int = -1  # the UTC day number `used` counts (a day's usage limits only that day)
     used: int = 0
     keep_until: float = 0.0  # after this, forgetting the scope changes nothing (buckets full, no leases, day over)
@@ -98,8 +100,8 @@ class MemoryQuota:
                                lim.tokens_per_day)
         live = None
         if conc is not None:
-            for request_id in [r for r, expiry in data.live.items() if expiry <= now]:
-                del data.live[request_id]
+            if data.next_expiry <= now:
+                self._drop_expired(data, now)
             live = len(data.live)
         return ScopeState(scope, lim,
                           None if rpm is None else self._level(data, "rpm", rpm, now),
@@ -113,11 +115,18 @@ class MemoryQuota:
         if state.tokens is not None:
             self._store(data, "tpm", state.tokens - tokens, lim.tokens_per_minute, now)
         if state.live is not None:
-            data.live[request_id] = now + self.lease_s
+            data.live[request_id] = expiry = now + self.lease_s
+            data.next_expiry = min(data.next_expiry, expiry)
             data.keep_until = max(data.keep_until, now + self.lease_s)
         if state.used_today is not None:
             data.day, data.used = day, state.used_today + tokens
             data.keep_until = max(data.keep_until, (day + 1) * DAY_S)
+
+    @staticmethod
+    def _drop_expired(data: _ScopeData, now: float) -> None:
+        for request_id in [r for r, expiry in data.live.items() if expiry <= now]:
+            del data.live[request_id]
+        data.next_expiry = min(data.live.values(), default=math.inf)
 
     @staticmethod
     def _level(data: _ScopeData, dim: str, limit: int, now: float) -> float:

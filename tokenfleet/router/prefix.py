@@ -53,14 +53,14 @@ class PrefixIndex:
         # without block 0 the later blocks of the chain can never match again.
         for key in reversed(hashes):
             entry = entries.get(key)
-            is_new = entry is None
-            if is_new:
-                entry = entries[key] = IndexEntry()
-            else:
-                entries.move_to_end(key)
+            if entry is None:
+                entries[key] = IndexEntry([replica], 1 if child_is_new else 0)  # its only holder so far
+                child_is_new = True
+                continue
+            entries.move_to_end(key)
             if child_is_new:
                 entry.continuations += 1
-            child_is_new = is_new
+                child_is_new = False
             holders = entry.holders
             if holders and holders[0] == replica:  # already the newest holder (a conversation's next turn)
                 continue
@@ -74,8 +74,9 @@ class PrefixIndex:
     def matches(self, hashes: Sequence[bytes]) -> dict[str, int]:
         """Per replica, how many leading blocks of the prompt it is believed to hold (replicas with none omitted)."""
         matched: dict[str, int] = {}
+        get = self._entries.get
         for depth, key in enumerate(hashes, start=1):
-            entry = self._entries.get(key)
+            entry = get(key)
             if entry is None or not entry.holders:
                 break
             for replica in entry.holders:

@@ -247,8 +247,8 @@ class SimReplica:
         takes = self._takes[step % self.spec.block_size]
         if takes:
             take = self._blocks.take_block
-            for p in list(takes.values()):
-                take(p.req)
+            for req in takes:
+                take(req)
 
     def _register_blocks(self, step: int) -> None:
         """The blocks parked requests fill in `step`, registered in the prefix cache in the scheduler's order (the
@@ -256,7 +256,7 @@ class SimReplica:
         registers = self._registers[step % self.spec.block_size]
         if registers:
             cache_full_blocks, offset = self._blocks.cache_full_blocks, step - 1
-            for p in (sorted(registers.values(), key=_rank) if len(registers) > 1 else registers.values()):
+            for p in registers.values():
                 p.req.num_computed_tokens = p.base_tokens + offset - p.base_step
                 cache_full_blocks(p.req)
 
@@ -296,9 +296,11 @@ class SimReplica:
             self.sink.inter_tokens(duration, self.parked_per_tier)
         for chunk in sampling:
             self._sample(chunk.req, now)
-        for p in sorted(self._finishes.pop(s, ()), key=_rank):
-            if self.parked.get(p.req) is p:
-                self._finish_parked(p, s, now)
+        finishes = self._finishes.pop(s, None)
+        if finishes:
+            for p in sorted(finishes, key=_rank):
+                if self.parked.get(p.req) is p:
+                    self._finish_parked(p, s, now)
         self.step_no, self._step = s, None
         for sreq in self._aborts:  # still busy: what these free may bring new requests, queued for the next step
             self._apply_abort(sreq)
@@ -490,8 +492,19 @@ class SimReplica:
         self.parked_per_tier[sreq.tier] = self.parked_per_tier.get(sreq.tier, 0) + 1
         self._position_sum_base += tokens - s - 2
         self._takes[(s + 2 - tokens) % bs][req] = p  # steps that compute a token at index k x block_size
-        self._registers[(s + 1 - tokens) % bs][req] = p  # ... and at index k x block_size - 1
+        self._add_register(self._registers[(s + 1 - tokens) % bs], p)  # ... and at index k x block_size - 1
         self._finishes.setdefault(p.last_step, []).append(p)
+
+    @staticmethod
+    def _add_register(bucket: dict[Request, _Parked], p: _Parked) -> None:
+        """Keeps the bucket in the scheduler's order, ties in the order added (what sorting it stably would give),
+        so that registering its blocks needs no sort."""
+        last = next(reversed(bucket.values()), None)
+        bucket[p.req] = p
+        if last is not None and p.rank < last.rank:
+            ordered = sorted(bucket.values(), key=_rank)
+            bucket.clear()
+            bucket.update((q.req, q) for q in ordered)
 
     def _finish_parked(self, p: _Parked, step: int, now: float) -> None:
         self._unpark(p, step)

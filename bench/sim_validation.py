@@ -261,9 +261,11 @@ def render(result: dict) -> str:
     lines += ["", f"Each real run's speed (its measured / predicted step time): {speeds}.",
               "", "Largest difference, real runs against simulations at each run's speed with the measured drift and "
               f"scatter (means over runs): **{worst['matched']:.1%}** (target: within 15%); with step scatter only: "
-              f"{worst['scattered']:.1%}; at the calibration's speed: {worst['plain']:.1%}. Other processes' CPU during the "
-              "real runs: " + ", ".join("-" if r["other_cpu_share"] is None else f"{r['other_cpu_share']:.0%}"
-                                        for r in result["runs"]) + " of the machine.", ""]
+              f"{worst['scattered']:.1%}; at the calibration's speed: {worst['plain']:.1%}. Other processes' CPU "
+              "during the real runs: "
+              + ", ".join("-" if r["other_cpu_share"] is None else f"{r['other_cpu_share']:.0%}"
+                          for r in result["runs"])
+              + " of the machine.", ""]
     return "\n".join(lines + result.get("notes", []))
 
 
@@ -310,7 +312,8 @@ def main() -> int:
               "block_size": cal.spec.block_size, "host_blocks": cal.spec.num_host_blocks,
               "calibration_steps": cal.steps, "calibration_load": args.calibration_load,
               "capacity_req_s": cal.capacity_req_s, "clock": args.clock, "coefficients": asdict(cal.coefficients),
-              "drift": _deciles(cal.noise.drift), "step_scatter": _deciles(cal.noise.ratios), "runs": runs, "profile_window_s": args.profile_window_s}
+              "drift": _deciles(cal.noise.drift), "step_scatter": _deciles(cal.noise.ratios), "runs": runs,
+              "profile_window_s": args.profile_window_s}
     print(render(result))
     if args.out:
         out = Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out

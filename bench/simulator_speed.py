@@ -32,6 +32,19 @@ except ImportError:  # pragma: no cover
     CpuProbe = None
 
 
+def reference_loop_s(repeats: int = 5) -> float:
+    """This machine's Python speed at the moment: the median time of a fixed loop of 10 million additions. The
+    machine's speed differs from day to day (the same simulation took 10 s one day and 23 s another), so a report
+    quotes it beside its numbers: requests per minute scale inversely with it."""
+    times = []
+    for _ in range(repeats):
+        began, total = time.perf_counter(), 0
+        for i in range(10_000_000):
+            total += i
+        times.append(time.perf_counter() - began)
+    return round(sorted(times)[repeats // 2], 3)
+
+
 def measure_repeated(path: str, seed: int, repeats: int) -> dict:
     """The run `repeats` times: the median run's row, with every run's wall time (this machine's speed varies
     by +-15% from one run to the next even when it is otherwise idle)."""
@@ -58,7 +71,10 @@ def measure(path: str, seed: int) -> dict:
 
 
 def render(result: dict) -> str:
-    lines = ["# Simulator speed", "", f"`{result['command']}` ({result['date']}; {result['machine']})", "",
+    reference = result.get("reference_loop_s")
+    machine = result["machine"] + ("" if reference is None else f"; reference loop {reference} s, the median of "
+                                   f"{result['reference_loop_runs']} (bench/simulator_speed.py reference_loop_s)")
+    lines = ["# Simulator speed", "", f"`{result['command']}` ({result['date']}; {machine})", "",
              "| config | fleet | requests | simulated s | wall s | CPU s | requests / wall min | requests / CPU min "
              "| steps (full) | other CPU | runs: requests / wall min |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -79,9 +95,13 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5, help="runs per config; the median run is reported")
     p.add_argument("--out", default="docs/benchmarks/simulator_speed.md")
     args = p.parse_args()
+    before = reference_loop_s()
     runs = [measure_repeated(path, args.seed, args.repeats) for path in args.configs.split(",")]
+    after = reference_loop_s()
     result = {"command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores", "runs": runs}
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+              "reference_loop_s": round((before + after) / 2, 3),
+              "reference_loop_runs": f"5 before ({before} s) and 5 after ({after} s)", "runs": runs}
     print(render(result))
     if args.out:
         out = Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out

@@ -69,6 +69,7 @@ class _Tier:
     paused: bool = False
     limit: _Limit | None = None
     granted: deque = field(default_factory=deque)  # (when, cost) of its recent grants, kept while it has a limit
+    granted_tokens: int = 0  # the costs in `granted`, summed
     dispatched: int = 0
     dispatched_tokens: int = 0
     wait_s_total: float = 0.0
@@ -177,9 +178,11 @@ class Dispatcher:
             raise ValueError(f"window_s must be positive, got {window_s!r}")
         limit = None if max_tokens is None else _Limit(names, max_tokens, window_s)
         for name in names:
-            self._tiers[name].limit = limit
+            state = self._tiers[name]
+            state.limit = limit
             if limit is None:
-                self._tiers[name].granted.clear()
+                state.granted.clear()
+                state.granted_tokens = 0
         self._pump()
 
     def snapshot(self) -> DispatchSnapshot:
@@ -282,10 +285,11 @@ class Dispatcher:
             return False
         since, total = self._clock() - limit.window_s, 0
         for name in limit.tiers:
-            granted = self._tiers[name].granted
+            state = self._tiers[name]
+            granted = state.granted
             while granted and granted[0][0] <= since:
-                granted.popleft()
-            total += sum(cost for _, cost in granted)
+                state.granted_tokens -= granted.popleft()[1]
+            total += state.granted_tokens
         return total >= limit.max_tokens
 
     def _grant(self, waiter: _Waiter) -> None:
@@ -303,6 +307,7 @@ class Dispatcher:
         tier.in_use += 1
         if tier.limit is not None:
             tier.granted.append((now, ticket.cost))
+            tier.granted_tokens += ticket.cost
         self._pool.in_use += 1
         self._pool.held[slot.slot_id] = slot
         waiter.state = "granted"

@@ -32,7 +32,10 @@ except ImportError:  # pragma: no cover
     CpuProbe = None
 
 
-def reference_loop_s(repeats: int = 5) -> float:
+REFERENCE_REPEATS = 5
+
+
+def reference_loop_s(repeats: int = REFERENCE_REPEATS) -> float:
     """This machine's Python speed at the moment: the median time of a fixed loop of 10 million additions. The
     machine's speed differs from day to day (the same simulation took 10 s one day and 23 s another), so a report
     quotes it beside its numbers: requests per minute scale inversely with it."""
@@ -101,7 +104,8 @@ def main() -> int:
     result = {"command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
               "machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "reference_loop_s": round((before + after) / 2, 3),
-              "reference_loop_runs": f"5 before ({before} s) and 5 after ({after} s)", "runs": runs}
+              "reference_loop_runs": f"{REFERENCE_REPEATS} before ({before} s) and {REFERENCE_REPEATS} after "
+                                     f"({after} s)", "runs": runs}
     print(render(result))
     if args.out:
         out = Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out

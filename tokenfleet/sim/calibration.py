@@ -157,26 +157,23 @@ def residual_ratios(coefficients: StepCoefficients, batches: list[StepBatch], du
 
 
 class _RescaledCostModel(CostModel):
-    """The cost model with every step's time multiplied by `_factor()`, asked once per step. For the steps of a
-    run priced at once (decode_times), `_ahead` is how far past the clock's time the step being priced starts."""
+    """The cost model with every step's time multiplied by `_factor(ahead)`, asked once per step; `ahead` is how
+    far past the clock's time the step starts (0 but for the later steps of a run priced at once, decode_times)."""
 
-    _ahead = 0.0
-
-    def _factor(self) -> float:
+    def _factor(self, ahead: float) -> float:
         raise NotImplementedError
 
     def step_time(self, batch: StepBatch) -> float:
-        return super().step_time(batch) * self._factor()
+        return super().step_time(batch) * self._factor(0.0)
 
     def decode_time(self, sequences: int, contexts: int) -> float:
-        return super().decode_time(sequences, contexts) * self._factor()
+        return super().decode_time(sequences, contexts) * self._factor(0.0)
 
     def decode_times(self, sequences: int, contexts: int, growth: int, count: int) -> list[float]:
-        times = []
+        times, ahead = [], 0.0
         for t in super().decode_times(sequences, contexts, growth, count):
-            times.append(t * self._factor())
-            self._ahead += times[-1]
-        self._ahead = 0.0
+            times.append(t * self._factor(ahead))
+            ahead += times[-1]
         return times
 
 
@@ -192,7 +189,7 @@ class ScatteredCostModel(_RescaledCostModel):
             raise ValueError("no measured steps to take the scatter from")
         self.ratios, self.rng = ratios, random.Random(seed)
 
-    def _factor(self) -> float:
+    def _factor(self, ahead: float) -> float:
         return self.rng.choice(self.ratios)
 
 
@@ -231,9 +228,9 @@ class DriftingCostModel(ScatteredCostModel):
         self.drift, self.window_s, self.clock = noise.drift, noise.window_s, clock
         self.start = self.rng.randrange(len(noise.drift))
 
-    def _factor(self) -> float:
-        window = int((self.clock.now + self._ahead) // self.window_s)
-        return self.drift[(self.start + window) % len(self.drift)] * super()._factor()
+    def _factor(self, ahead: float) -> float:
+        window = int((self.clock.now + ahead) // self.window_s)
+        return self.drift[(self.start + window) % len(self.drift)] * super()._factor(ahead)
 
 
 class ProfiledCostModel(_RescaledCostModel):
@@ -246,8 +243,8 @@ class ProfiledCostModel(_RescaledCostModel):
         super().__init__(coefficients)
         self.starts, self.factors, self.clock = [t for t, _ in profile], [f for _, f in profile], clock
 
-    def _factor(self) -> float:
-        i = bisect.bisect_right(self.starts, self.clock.now + self._ahead) - 1
+    def _factor(self, ahead: float) -> float:
+        i = bisect.bisect_right(self.starts, self.clock.now + ahead) - 1
         return self.factors[max(i, 0)]
 
 

@@ -26,7 +26,10 @@ def check_invariants(blocks: KVBlockManager, sched: Scheduler, host_blocks: int)
             assert req.status is RequestStatus.WAITING and req.block_table == []
     for block in blocks.blocks:
         assert block.ref_count == device_refs[block.block_id], "ref count differs from the owning block tables"
-        assert (block.block_id in blocks.free) == (block.ref_count == 0), "a block is neither free nor owned"
+        free_as = [block.block_id in blocks.free_plain, block.block_id in blocks.free_cached]
+        assert sum(free_as) == (block.ref_count == 0), "a block is neither free nor owned, or free twice"
+        assert not free_as[0] or block.hash is None, "a block holding a cached prefix is in the plain free list"
+        assert not free_as[1] or block.hash is not None, "a block without a cached prefix is in the cached free list"
     for key, block_id in blocks.cached.items():
         assert blocks.blocks[block_id].hash == key
     assert len(host_owned) == len(set(host_owned)), "a host block is owned twice"

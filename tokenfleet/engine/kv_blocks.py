@@ -1,13 +1,17 @@
 """The paged KV cache's bookkeeping: a pool of fixed-size blocks, block tables, prefix caching, swap space.
 
 Every device block is in exactly one of two states: owned (ref_count > 0, in one or more block tables) or free
-(ref_count == 0, in the LRU free list). A free block may still hold a cached prefix (it has a hash): it is reused
-on a prefix hit, or evicted - least recently used first - when a fresh block is needed.
+(ref_count == 0). A free block may still hold a cached prefix (it has a hash): it is reused on a prefix hit, or
+evicted - least recently used first - when a fresh block is needed.
 
-The free list's order is: blocks freed without a cached prefix (last freed first), then blocks never used yet (in
-id order), then blocks holding a cached prefix (least recently used first). Blocks never used exist only as a
-count until they are first taken, so a manager of a million blocks costs nothing up front (the fleet simulator
-builds hundreds of them).
+Fresh blocks are taken in this order: blocks freed without a cached prefix (last freed first: `free_plain`), then
+blocks never used yet (in id order), then blocks holding a cached prefix (least recently used first: `free_cached`).
+Blocks never used exist only as a count until they are first taken, so a manager of a million blocks costs nothing
+up front (the fleet simulator builds hundreds of them).
+
+A block's key is a 128-bit BLAKE2b hash chained over its parent's key and its tokens, so equal keys mean equal
+prefixes: a hit is taken on the key alone (finding two prefixes with one key would take ~2^64 hashes, out of reach
+even for a tenant trying on purpose), as vLLM does with SHA-256 keys; no copy of the tokens is kept to compare.
 """
 from __future__ import annotations
 
@@ -39,12 +43,11 @@ def prefix_block_hashes(token_ids: Sequence[int], block_size: int, start: list[b
     return hashes
 
 
-@dataclass
+@dataclass(slots=True)
 class Block:
     block_id: int
     ref_count: int = 0
     hash: bytes | None = None
-    token_ids: Sequence[int] = ()  # kept for the collision check on a hit (a list: compared with a list slice)
 
 
 class KVBlockManager:
@@ -54,14 +57,15 @@ class KVBlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.num_blocks = num_blocks
         self.blocks: list[Block] = []  # the blocks used so far: ids 0 .. len - 1, created in id order
-        self.free: OrderedDict[int, None] = OrderedDict()  # used blocks that are free, front taken first
+        self.free_plain: list[int] = []  # free blocks holding no cached prefix: the last one is taken first
+        self.free_cached: OrderedDict[int, None] = OrderedDict()  # free blocks holding one: front evicted first
         self.cached: dict[bytes, int] = {}
         self.free_host: list[int] = list(range(num_host_blocks))
         self.watermark_blocks = max(1, int(watermark * num_blocks)) if watermark > 0 else 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free) + self.num_blocks - len(self.blocks)
+        return len(self.free_plain) + len(self.free_cached) + self.num_blocks - len(self.blocks)
 
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
@@ -79,15 +83,13 @@ class KVBlockManager:
         if len(req.block_hashes) < len(tokens) // bs:
             req.block_hashes = prefix_block_hashes(tokens, bs, req.block_hashes)
         usable = (len(tokens) - 1) // bs
-        cached, blocks = self.cached, self.blocks
+        cached = self.cached
         hits: list[int] = []
-        start = 0
         for key in islice(req.block_hashes, usable):
             block_id = cached.get(key)
-            if block_id is None or blocks[block_id].token_ids != tokens[start:start + bs]:  # a miss, or a collision
+            if block_id is None:
                 break
             hits.append(block_id)
-            start += bs
         return hits
 
     def cache_full_blocks(self, req: Request) -> None:
@@ -101,14 +103,12 @@ class KVBlockManager:
         keys = req.block_hashes
         if len(keys) < num_full:  # keys are a function of the tokens, which only grow: keep known ones
             keys = req.block_hashes = prefix_block_hashes(req.token_ids[:num_full * bs], bs, keys)
-        blocks, cached, tokens = self.blocks, self.cached, req.token_ids
-        for i, block_id in enumerate(req.block_table[first:num_full], first):
-            block = blocks[block_id]
-            if block.hash is None:
-                key = keys[i]
-                if key not in cached:
-                    block.hash, block.token_ids = key, tokens[i * bs:(i + 1) * bs]  # a copy, for the collision check
-                    cached[key] = block_id
+        blocks, cached, table = self.blocks, self.cached, req.block_table
+        for i in range(first, num_full):
+            block = blocks[table[i]]
+            if block.hash is None and keys[i] not in cached:  # else another block holds this prefix already
+                block.hash = keys[i]
+                cached[block.hash] = block.block_id
         req.num_cached_blocks = num_full
 
     # --- allocation ---------------------------------------------------------------------------------------
@@ -116,7 +116,7 @@ class KVBlockManager:
     def admission_cost(self, req: Request, hits: list[int], num_new_tokens: int) -> int:
         """Free blocks that admitting the request with these prefix hits and this first chunk would consume."""
         blocks = self.blocks
-        revived = sum(1 for b in hits if blocks[b].ref_count == 0)
+        revived = [blocks[b].ref_count for b in hits].count(0)
         fresh = self.blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
         return revived + fresh
 
@@ -143,41 +143,41 @@ class KVBlockManager:
 
     def free_request(self, req: Request) -> None:
         """Drops the request's references; blocks keep their cached contents, the tail ones are evicted first."""
-        blocks, free = self.blocks, self.free
+        blocks, plain, cached = self.blocks, self.free_plain, self.free_cached
         for block_id in reversed(req.block_table):
             block = blocks[block_id]
-            ref_count = block.ref_count = block.ref_count - 1
-            if not ref_count:
-                free[block_id] = None
+            block.ref_count -= 1
+            if not block.ref_count:
                 if block.hash is None:
-                    free.move_to_end(block_id, last=False)  # nothing worth keeping: reuse it first
+                    plain.append(block_id)  # nothing worth keeping: reused first (the table's head first)
+                else:
+                    cached[block_id] = None
         req.block_table = []
         req.num_cached_blocks = 0
 
     def _take_free(self) -> int:
-        """A fresh block, owned once: the front of the free list (see the module's docstring), its cached prefix
-        evicted."""
-        free, blocks = self.free, self.blocks
-        if len(blocks) < self.num_blocks and (not free or blocks[next(iter(free))].hash is not None):
-            block = Block(len(blocks), ref_count=1)  # the next block never used yet
+        """A fresh block, owned once: taken in the order the module's docstring gives, its cached prefix evicted."""
+        blocks = self.blocks
+        if self.free_plain:
+            block_id = self.free_plain.pop()
+            blocks[block_id].ref_count = 1
+            return block_id
+        if len(blocks) < self.num_blocks:
+            block = Block(len(blocks), 1)  # the next block never used yet
             blocks.append(block)
             return block.block_id
-        block_id, _ = free.popitem(last=False)
+        block_id, _ = self.free_cached.popitem(last=False)
         block = blocks[block_id]
-        key = block.hash
-        if key is not None:
-            cached = self.cached
-            if cached.get(key) == block_id:
-                del cached[key]
-            block.hash, block.token_ids = None, ()
-        block.ref_count = 1
+        if self.cached.get(block.hash) == block_id:
+            del self.cached[block.hash]
+        block.hash, block.ref_count = None, 1
         return block_id
 
     def _ref(self, block_ids: list[int]) -> None:
-        blocks, free = self.blocks, self.free
+        blocks, free = self.blocks, self.free_cached
         for block_id in block_ids:
             block = blocks[block_id]
-            if block.ref_count == 0:
+            if block.ref_count == 0:  # a hit on a free block: only those holding a cached prefix are hits
                 del free[block_id]
             block.ref_count += 1
 

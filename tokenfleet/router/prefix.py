@@ -26,7 +26,7 @@ def prompt_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | N
     return prefix_block_hashes(token_ids, block_size)
 
 
-@dataclass
+@dataclass(slots=True)
 class IndexEntry:
     holders: list[str] = field(default_factory=list)  # newest first
     continuations: int = 0  # distinct next blocks recorded after this one: 2+ means prompts branch off here

@@ -176,8 +176,9 @@ class Workload:
 def block_keys(token_ids: list[int], block_size: int, start: list[bytes]) -> list[bytes]:
     """Prefix-cache keys for every full block of a token sequence, chained over the parent's key like the engine's
     (`prefix_block_hashes`), but with Python's tuple hash instead of BLAKE2: the simulator hands these keys to the
-    engine (Request.block_hashes) and to the router (choose(hashes=...)), which only ever compare them, and the
-    engine still checks a hit's tokens. The same tokens always give the same keys, in every process.
+    engine (Request.block_hashes) and to the router (choose(hashes=...)), which only ever compare them. 64 bits: a
+    run's million-odd keys collide with a chance of ~1e-7. The same tokens always give the same keys, in every
+    process.
     `start`: the keys of the sequence's leading blocks, known already; `token_ids`: the tokens after them."""
     keys = list(start)
     parent = int.from_bytes(keys[-1], "little") if keys else 0

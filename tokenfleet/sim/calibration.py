@@ -205,12 +205,12 @@ class MachineNoise:
 def machine_noise(coefficients: StepCoefficients, runs: list[Measured], window_s: float) -> MachineNoise:
     model, noise = CostModel(coefficients), MachineNoise(window_s, [], [])
     for measured in runs:
-        speeds = _window_speeds(measured, model, window_s)
+        predicted = _predicted(measured, model)  # each step priced once, for its window and its scatter
+        speeds = _window_speeds(measured, predicted, window_s)
         noise.drift += [speeds[k] for k in sorted(speeds)]
-        for batch, duration, end in zip(measured.batches, measured.durations, measured.ends):
-            predicted = model.step_time(batch)
-            if predicted > 0 and duration > 0:
-                noise.ratios.append(duration / predicted / speeds[int((end - duration) // window_s)])
+        for want, duration, end in zip(predicted, measured.durations, measured.ends):
+            if want > 0 and duration > 0:
+                noise.ratios.append(duration / want / speeds[int((end - duration) // window_s)])
     return noise
 
 
@@ -250,17 +250,22 @@ class ProfiledCostModel(_RescaledCostModel):
 
 def speed_profile(measured: Measured, coefficients: StepCoefficients, window_s: float) -> list[tuple[float, float]]:
     """A real run's speed over time: measured / predicted step time per window of the engine's clock."""
-    speeds = _window_speeds(measured, CostModel(coefficients), window_s)
+    speeds = _window_speeds(measured, _predicted(measured, CostModel(coefficients)), window_s)
     return [(k * window_s, speeds[k]) for k in sorted(speeds)]
 
 
-def _window_speeds(measured: Measured, model: CostModel, window_s: float) -> dict[int, float]:
-    """Window number (of the engine's clock, by each step's start) -> measured / predicted step time in it."""
+def _predicted(measured: Measured, model: CostModel) -> list[float]:
+    return [model.step_time(batch) for batch in measured.batches]
+
+
+def _window_speeds(measured: Measured, predicted: list[float], window_s: float) -> dict[int, float]:
+    """Window number (of the engine's clock, by each step's start) -> measured / predicted step time in it.
+    `predicted`: the cost model's time for each of the measured steps."""
     sums: dict[int, tuple[float, float]] = {}
-    for batch, duration, end in zip(measured.batches, measured.durations, measured.ends):
+    for want_step, duration, end in zip(predicted, measured.durations, measured.ends):
         key = int((end - duration) // window_s)
         got, want = sums.get(key, (0.0, 0.0))
-        sums[key] = (got + duration, want + model.step_time(batch))
+        sums[key] = (got + duration, want + want_step)
     return {k: got / want if want > 0 else 1.0 for k, (got, want) in sums.items()}
 
 

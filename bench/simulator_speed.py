@@ -3,10 +3,15 @@
 
     python bench/simulator_speed.py                                   # report: docs/benchmarks/simulator_speed.md
     python bench/simulator_speed.py --configs bench/sim/flagship.yaml --out ''
+    python bench/simulator_speed.py --against 76e7fbd --pairs 4      # the code at 76e7fbd vs this checkout
 
 For each config: the run's wall and CPU time (process time, which other processes on a shared machine cannot
 inflate), requests simulated (every turn that arrived), engine steps, and what share of steps ran in full
 (parked decodes rejoining the scheduler). Target (issue 7): at least 100,000 simulated requests per minute.
+
+`--against REV`: this machine's speed drifts by tens of percent within an hour, so a speed change is measured by
+running the code at REV (a temporary `git worktree`) and this checkout's code alternately, each run in a fresh
+process, on the same configs: CPU time of each pair, their ratio, and whether the two reports are byte-identical.
 """
 from __future__ import annotations
 
@@ -14,7 +19,9 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -73,6 +80,51 @@ def measure(path: str, seed: int) -> dict:
             "other_cpu_share": probe.stop(wall) if probe else None}
 
 
+# One run in a fresh process with the code of the checkout it runs in: CPU seconds and the report's digest.
+_ONE_RUN = """
+import hashlib, json, sys, time
+from tokenfleet.sim import config
+from tokenfleet.sim.fleet import Fleet
+from tokenfleet.sim.report import build_report
+setup = config.load(sys.argv[1], int(sys.argv[2]))
+began = time.process_time()
+fleet = Fleet(setup).run()
+cpu = time.process_time() - began
+report = json.dumps(build_report(fleet, 0.0), sort_keys=True)
+print(cpu, hashlib.sha256(report.encode()).hexdigest())
+"""
+
+
+def one_run(checkout: Path, path: str, seed: int) -> tuple[float, str]:
+    config_path = Path(path) if Path(path).is_absolute() else ROOT / path  # this checkout's config, for both
+    out = subprocess.run([sys.executable, "-c", _ONE_RUN, str(config_path), str(seed)], cwd=checkout,
+                         env={**os.environ, "PYTHONPATH": str(checkout)}, capture_output=True, text=True, check=True)
+    cpu, digest = out.stdout.split()
+    return float(cpu), digest
+
+
+def compare(rev: str, paths: list[str], seed: int, pairs: int) -> str:
+    """The code at `rev` against this checkout, alternately, `pairs` runs each per config (a markdown table)."""
+    lines = [f"`python {' '.join(sys.argv)}` ({time.strftime('%Y-%m-%d %H:%M')}): CPU seconds per run, {rev} "
+             "and this checkout alternately", "", "| config | old s | new s | new / old | median | same report |",
+             "|---|---|---|---|---:|---|"]
+    with tempfile.TemporaryDirectory() as tmp:
+        old_tree = Path(tmp) / "old"
+        subprocess.run(["git", "worktree", "add", "--detach", "-q", str(old_tree), rev], cwd=ROOT, check=True)
+        try:
+            for path in paths:
+                runs = [(one_run(old_tree, path, seed), one_run(ROOT, path, seed)) for _ in range(pairs)]
+                ratios = sorted(new[0] / old[0] for old, new in runs)
+                same = all(old[1] == new[1] for old, new in runs)
+                lines.append(f"| `{path}` | {', '.join(f'{o[0]:.2f}' for o, _ in runs)} | "
+                             f"{', '.join(f'{n[0]:.2f}' for _, n in runs)} | "
+                             f"{', '.join(f'{n[0] / o[0]:.3f}' for o, n in runs)} | "
+                             f"{(ratios[(pairs - 1) // 2] + ratios[pairs // 2]) / 2:.3f} | {'yes' if same else 'NO'} |")
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(old_tree)], cwd=ROOT, check=True)
+    return "\n".join(lines)
+
+
 def render(result: dict) -> str:
     reference = result.get("reference_loop_s")
     machine = result["machine"] + ("" if reference is None else f"; reference loop {reference} s, the median of "
@@ -97,7 +149,12 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=5, help="runs per config; the median run is reported")
     p.add_argument("--out", default="docs/benchmarks/simulator_speed.md")
+    p.add_argument("--against", metavar="REV", help="A/B: the code at this git revision against this checkout")
+    p.add_argument("--pairs", type=int, default=4, help="with --against: runs of each per config")
     args = p.parse_args()
+    if args.against:
+        print(compare(args.against, args.configs.split(","), args.seed, args.pairs))
+        return 0
     before = reference_loop_s()
     runs = [measure_repeated(path, args.seed, args.repeats) for path in args.configs.split(",")]
     after = reference_loop_s()

@@ -8,6 +8,7 @@ import logging
 import math
 from collections import Counter
 from dataclasses import dataclass
+from typing import Mapping
 
 from tokenfleet.api.errors import APIError, rate_limited, unavailable
 from tokenfleet.dispatch.overload import LoadSignal, OverloadLadder, Plan
@@ -26,7 +27,7 @@ class Admitted:
     reservation: Reservation
     model: str = ""  # whose dispatch queue it waits in
     slot: Slot | None = None
-    headers: dict[str, str] | None = None  # x-ratelimit-* for the response
+    headers: Mapping[str, str] | None = None  # x-ratelimit-* for the response
 
 
 class OutputEstimate:

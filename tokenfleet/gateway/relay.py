@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Mapping
 
 from tokenfleet.api.errors import APIError
 from tokenfleet.gateway.formats import Event, EventFormat
@@ -23,7 +23,7 @@ class Relay:
     format: EventFormat
     disconnect_grace_s: float
     owner: str = ""  # the tenant (organisation) the request belongs to
-    rate_limit_headers: dict[str, str] | None = None  # x-ratelimit-* from the quota decision
+    rate_limit_headers: Mapping[str, str] | None = None  # x-ratelimit-* from the quota decision
     route: object = None  # the router's decision (router.pool.Route), for logs and usage records
     usage: dict | None = None
     last_id: int = 0

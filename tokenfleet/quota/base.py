@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 from tokenfleet.quota.limits import Limits
 
@@ -43,7 +43,7 @@ class Decision:
     reason: str | None = None  # one of REASONS when refused
     scope: str | None = None  # the scope that refused
     retry_after_s: float | None = None  # None when it can never fit
-    headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-*, plus retry-after(-ms) when refused
+    headers: Mapping[str, str] = field(default_factory=dict)  # x-ratelimit-*, + retry-after(-ms) when refused
 
 
 @dataclass(frozen=True)

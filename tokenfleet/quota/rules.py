@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Iterator, Mapping
 
 from tokenfleet.quota.base import Decision, Reservation, Scope
 from tokenfleet.quota.headers import BucketView, ratelimit_headers
@@ -96,10 +97,9 @@ def pick(found: list[Refusal]) -> Refusal:
 def decide(states: list[ScopeState], tokens: int, reservation: Reservation | None, now: float,
            concurrency_retry_s: float) -> Decision:
     """The Decision for a request the backend admitted (reservation given, `states` before charging) or refused."""
-    charged = reservation is not None
-    headers = _bucket_headers(states, tokens if charged else 0, 1 if charged else 0)
-    if charged:
-        return Decision(True, reservation, headers=headers)
+    if reservation is not None:
+        return Decision(True, reservation, headers=BucketHeaders(states, tokens, 1))
+    headers = dict(BucketHeaders(states, 0, 0))
     found = [r for s in states for r in refusals(s, tokens, now, concurrency_retry_s)]
     if not found:  # cannot happen while this module and the Lua script agree
         log.error("quota backend refused a request that fits every scope; answering retry in 1 s")
@@ -109,9 +109,33 @@ def decide(states: list[ScopeState], tokens: int, reservation: Reservation | Non
     return Decision(False, None, refusal.reason, refusal.scope, refusal.retry_after_s, headers)
 
 
-def _bucket_headers(states: list[ScopeState], tokens: int, requests: int) -> dict[str, str]:
-    request_views = [s.view(s.limits.requests_per_minute, s.requests - requests)
-                     for s in states if s.limits.requests_per_minute is not None]
-    token_views = [s.view(s.limits.tokens_per_minute, s.tokens - tokens)
-                   for s in states if s.limits.tokens_per_minute is not None]
-    return ratelimit_headers(request_views, token_views)
+class BucketHeaders(Mapping[str, str]):
+    """The x-ratelimit-* headers of the per-minute buckets after charging `tokens` and `requests`, built when first
+    read: the states are what the backend saw at decision time (frozen), so the headers are the same whenever they
+    are read, and a caller that never reads them (the fleet simulator) never pays for them."""
+
+    def __init__(self, states: list[ScopeState], tokens: int, requests: int) -> None:
+        self._states, self._tokens, self._requests = states, tokens, requests
+        self._headers: dict[str, str] | None = None
+
+    def _built(self) -> dict[str, str]:
+        if self._headers is None:
+            states, tokens, requests = self._states, self._tokens, self._requests
+            request_views = [s.view(s.limits.requests_per_minute, s.requests - requests)
+                             for s in states if s.limits.requests_per_minute is not None]
+            token_views = [s.view(s.limits.tokens_per_minute, s.tokens - tokens)
+                           for s in states if s.limits.tokens_per_minute is not None]
+            self._headers = ratelimit_headers(request_views, token_views)
+        return self._headers
+
+    def __getitem__(self, name: str) -> str:
+        return self._built()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._built())
+
+    def __len__(self) -> int:
+        return len(self._built())
+
+    def __repr__(self) -> str:
+        return repr(self._built())

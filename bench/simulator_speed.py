@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -114,12 +115,12 @@ def compare(rev: str, paths: list[str], seed: int, pairs: int) -> str:
         try:
             for path in paths:
                 runs = [(one_run(old_tree, path, seed), one_run(ROOT, path, seed)) for _ in range(pairs)]
-                ratios = sorted(new[0] / old[0] for old, new in runs)
+                ratios = [new[0] / old[0] for old, new in runs]
                 same = all(old[1] == new[1] for old, new in runs)
                 lines.append(f"| `{path}` | {', '.join(f'{o[0]:.2f}' for o, _ in runs)} | "
                              f"{', '.join(f'{n[0]:.2f}' for _, n in runs)} | "
-                             f"{', '.join(f'{n[0] / o[0]:.3f}' for o, n in runs)} | "
-                             f"{(ratios[(pairs - 1) // 2] + ratios[pairs // 2]) / 2:.3f} | {'yes' if same else 'NO'} |")
+                             f"{', '.join(f'{r:.3f}' for r in ratios)} | "
+                             f"{statistics.median(ratios):.3f} | {'yes' if same else 'NO'} |")
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(old_tree)], cwd=ROOT, check=True)
     return "\n".join(lines)

@@ -39,7 +39,7 @@ def assert_idle_and_clean(engine: Engine) -> None:
     assert not engine.tracked
     assert not engine.scheduler.running and not engine.scheduler.queue
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks, "a KV block leaked"
-    assert all(b.ref_count == 0 for b in engine.blocks.blocks)
+    assert not any(engine.blocks.ref_counts)
 
 
 def run_to_completion(engine: Engine) -> dict:

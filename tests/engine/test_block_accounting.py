@@ -24,14 +24,15 @@ def check_invariants(blocks: KVBlockManager, sched: Scheduler, host_blocks: int)
             host_owned.extend(req.block_table)
         else:
             assert req.status is RequestStatus.WAITING and req.block_table == []
-    for block in blocks.blocks:
-        assert block.ref_count == device_refs[block.block_id], "ref count differs from the owning block tables"
-        free_as = [block.block_id in blocks.free_plain, block.block_id in blocks.free_cached]
-        assert sum(free_as) == (block.ref_count == 0), "a block is neither free nor owned, or free twice"
-        assert not free_as[0] or block.hash is None, "a block holding a cached prefix is in the plain free list"
-        assert not free_as[1] or block.hash is not None, "a block without a cached prefix is in the cached free list"
+    assert len(blocks.ref_counts) == len(blocks.keys) <= blocks.num_blocks
+    for block_id, (ref_count, key) in enumerate(zip(blocks.ref_counts, blocks.keys)):
+        assert ref_count == device_refs[block_id], "ref count differs from the owning block tables"
+        free_as = [block_id in blocks.free_plain, block_id in blocks.free_cached]
+        assert sum(free_as) == (ref_count == 0), "a block is neither free nor owned, or free twice"
+        assert not free_as[0] or key is None, "a block holding a cached prefix is in the plain free list"
+        assert not free_as[1] or key is not None, "a block without a cached prefix is in the cached free list"
     for key, block_id in blocks.cached.items():
-        assert blocks.blocks[block_id].hash == key
+        assert blocks.keys[block_id] == key
     assert len(host_owned) == len(set(host_owned)), "a host block is owned twice"
     assert sorted(host_owned + blocks.free_host) == list(range(host_blocks)), "a host block leaked"
 
@@ -128,7 +129,7 @@ def test_free_blocks_are_taken_unused_first_then_never_used_then_least_recently_
     """The free list's order: blocks freed without a cached prefix, then blocks never used (created only when first
     taken), then blocks holding a cached prefix, least recently freed first."""
     blocks = KVBlockManager(6, BLOCK, 0, watermark=0.0)
-    assert blocks.num_free_blocks == 6 and blocks.blocks == [] and blocks.usage() == 0.0
+    assert blocks.num_free_blocks == 6 and blocks.ref_counts == [] and blocks.usage() == 0.0
     cached = Request("cached", list(range(2 * BLOCK)), SamplingParams(max_tokens=1))
     blocks.admit(cached, [], 2 * BLOCK)
     cached.num_computed_tokens = 2 * BLOCK
@@ -136,7 +137,7 @@ def test_free_blocks_are_taken_unused_first_then_never_used_then_least_recently_
     scratch = Request("scratch", list(range(100, 100 + BLOCK - 1)), SamplingParams(max_tokens=1))
     blocks.admit(scratch, [], BLOCK - 1)
     assert (cached.block_table, scratch.block_table) == ([0, 1], [2])
-    assert len(blocks.blocks) == 3 and blocks.num_free_blocks == 3 and blocks.usage() == 0.5
+    assert len(blocks.ref_counts) == 3 and blocks.num_free_blocks == 3 and blocks.usage() == 0.5
     blocks.free_request(cached)  # cached prefixes: kept, taken last
     blocks.free_request(scratch)  # nothing cached: taken first
     taker = Request("taker", list(range(200, 200 + 6 * BLOCK)), SamplingParams(max_tokens=1))

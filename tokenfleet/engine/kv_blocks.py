@@ -18,9 +18,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
 from itertools import islice
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from tokenfleet.engine.request import Request
 
@@ -43,20 +42,16 @@ def prefix_block_hashes(token_ids: Sequence[int], block_size: int, start: list[b
     return hashes
 
 
-@dataclass(slots=True)
-class Block:
-    block_id: int
-    ref_count: int = 0
-    hash: bytes | None = None
-
-
 class KVBlockManager:
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0, watermark: float = 0.01,
                  enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.num_blocks = num_blocks
-        self.blocks: list[Block] = []  # the blocks used so far: ids 0 .. len - 1, created in id order
+        # The blocks used so far (ids 0 .. len - 1, in id order), one list per field: walking a table touches two
+        # compact arrays instead of one scattered object per block (the fleet simulator holds millions of blocks).
+        self.ref_counts: list[int] = []
+        self.keys: list[bytes | None] = []  # the cached prefix each block holds, if any
         self.free_plain: list[int] = []  # free blocks holding no cached prefix: the last one is taken first
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # free blocks holding one: front evicted first
         self.cached: dict[bytes, int] = {}
@@ -65,7 +60,7 @@ class KVBlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_plain) + len(self.free_cached) + self.num_blocks - len(self.blocks)
+        return len(self.free_plain) + len(self.free_cached) + self.num_blocks - len(self.ref_counts)
 
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
@@ -103,20 +98,20 @@ class KVBlockManager:
         keys = req.block_hashes
         if len(keys) < num_full:  # keys are a function of the tokens, which only grow: keep known ones
             keys = req.block_hashes = prefix_block_hashes(req.token_ids[:num_full * bs], bs, keys)
-        blocks, cached, table = self.blocks, self.cached, req.block_table
+        block_keys, cached, table = self.keys, self.cached, req.block_table
         for i in range(first, num_full):
-            block = blocks[table[i]]
-            if block.hash is None and keys[i] not in cached:  # else another block holds this prefix already
-                block.hash = keys[i]
-                cached[block.hash] = block.block_id
+            block_id, key = table[i], keys[i]
+            if block_keys[block_id] is None and key not in cached:  # else another block holds this prefix already
+                block_keys[block_id] = key
+                cached[key] = block_id
         req.num_cached_blocks = num_full
 
     # --- allocation ---------------------------------------------------------------------------------------
 
     def admission_cost(self, req: Request, hits: list[int], num_new_tokens: int) -> int:
         """Free blocks that admitting the request with these prefix hits and this first chunk would consume."""
-        blocks = self.blocks
-        revived = [blocks[b].ref_count for b in hits].count(0)
+        ref_counts = self.ref_counts
+        revived = [ref_counts[b] for b in hits].count(0)
         fresh = self.blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
         return revived + fresh
 
@@ -137,18 +132,20 @@ class KVBlockManager:
         for _ in range(self.blocks_needed(req, num_new_tokens)):
             req.block_table.append(self._take_free())
 
-    def take_block(self, req: Request) -> None:
-        """One fresh block at the end of the request's table (what grow does when its next token starts a block)."""
-        req.block_table.append(self._take_free())
+    def take_blocks(self, reqs: Iterable[Request]) -> None:
+        """One fresh block at the end of each request's table, in order (what grow does for a request whose next
+        token starts a block)."""
+        take = self._take_free
+        for req in reqs:
+            req.block_table.append(take())
 
     def free_request(self, req: Request) -> None:
         """Drops the request's references; blocks keep their cached contents, the tail ones are evicted first."""
-        blocks, plain, cached = self.blocks, self.free_plain, self.free_cached
+        ref_counts, keys, plain, cached = self.ref_counts, self.keys, self.free_plain, self.free_cached
         for block_id in reversed(req.block_table):
-            block = blocks[block_id]
-            block.ref_count -= 1
-            if not block.ref_count:
-                if block.hash is None:
+            ref_counts[block_id] -= 1
+            if not ref_counts[block_id]:
+                if keys[block_id] is None:
                     plain.append(block_id)  # nothing worth keeping: reused first (the table's head first)
                 else:
                     cached[block_id] = None
@@ -157,29 +154,29 @@ class KVBlockManager:
 
     def _take_free(self) -> int:
         """A fresh block, owned once: taken in the order the module's docstring gives, its cached prefix evicted."""
-        blocks = self.blocks
+        ref_counts = self.ref_counts
         if self.free_plain:
             block_id = self.free_plain.pop()
-            blocks[block_id].ref_count = 1
+            ref_counts[block_id] = 1
             return block_id
-        if len(blocks) < self.num_blocks:
-            block = Block(len(blocks), 1)  # the next block never used yet
-            blocks.append(block)
-            return block.block_id
+        block_id = len(ref_counts)
+        if block_id < self.num_blocks:  # the next block never used yet
+            ref_counts.append(1)
+            self.keys.append(None)
+            return block_id
         block_id, _ = self.free_cached.popitem(last=False)
-        block = blocks[block_id]
-        if self.cached.get(block.hash) == block_id:
-            del self.cached[block.hash]
-        block.hash, block.ref_count = None, 1
+        key = self.keys[block_id]
+        if self.cached.get(key) == block_id:
+            del self.cached[key]
+        self.keys[block_id], ref_counts[block_id] = None, 1
         return block_id
 
     def _ref(self, block_ids: list[int]) -> None:
-        blocks, free = self.blocks, self.free_cached
+        ref_counts, free = self.ref_counts, self.free_cached
         for block_id in block_ids:
-            block = blocks[block_id]
-            if block.ref_count == 0:  # a hit on a free block: only those holding a cached prefix are hits
+            if not ref_counts[block_id]:  # a hit on a free block: only those holding a cached prefix are hits
                 del free[block_id]
-            block.ref_count += 1
+            ref_counts[block_id] += 1
 
     # --- swap space ---------------------------------------------------------------------------------------
 

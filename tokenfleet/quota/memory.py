@@ -2,16 +2,13 @@
 semantics as the Redis backend. A decision never awaits, so on one event loop it is atomic without locks."""
 from __future__ import annotations
 
-import datetime as dt
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from tokenfleet.quota.base import (Decision, Remaining, Reservation, Scope, check_reservation, check_reserve)
-from tokenfleet.quota.rules import DAY_S, ScopeState, decide, fits
-
-EPOCH = dt.date(1970, 1, 1)
+from tokenfleet.quota.rules import DAY_S, ScopeState, day_name, day_number, decide, fits
 
 
 @dataclass
@@ -54,8 +51,7 @@ class MemoryQuota:
         if all(fits(state, tokens) for state in states):
             for state in states:
                 self._charge(state, request_id, tokens, now, day)
-            reservation = Reservation(request_id, scopes, tokens, (EPOCH + dt.timedelta(days=day)).isoformat(),
-                                      self.name)
+            reservation = Reservation(request_id, scopes, tokens, day_name(day), self.name)
         return decide(states, tokens, reservation, now, self.concurrency_retry_s)
 
     async def reconcile(self, reservation: Reservation, used_tokens: int) -> None:
@@ -65,7 +61,7 @@ class MemoryQuota:
             return
         self._reconciled[reservation.request_id] = now + self.marker_ttl_s
         extra = used_tokens - reservation.tokens
-        day = (dt.date.fromisoformat(reservation.day) - EPOCH).days
+        day = day_number(reservation.day)
         for scope in reservation.scopes:
             data = self._data(scope)
             tpm = scope.limits.tokens_per_minute

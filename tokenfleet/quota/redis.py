@@ -4,7 +4,6 @@ into slices (slices.py)."""
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import logging
 from typing import Any, Mapping, Sequence
 
@@ -14,12 +13,11 @@ from tokenfleet.quota import lua
 from tokenfleet.quota.base import (Decision, Remaining, Reservation, Scope, check_reservation, check_reserve)
 from tokenfleet.quota.limits import Limits
 from tokenfleet.quota.rebalance import Rebalancer
-from tokenfleet.quota.rules import ScopeState, decide
+from tokenfleet.quota.rules import ScopeState, day_name, day_number, decide
 from tokenfleet.quota.slices import SlicePlan
 from tokenfleet.quota.store import RedisStore, Script, connect, text
 
 RESERVE, RECONCILE, INSPECT = Script(lua.RESERVE), Script(lua.RECONCILE), Script(lua.INSPECT)
-EPOCH = dt.date(1970, 1, 1)
 CLOSE_WAIT_S = 2.0  # how long close() waits for rebalance tasks to stop
 log = logging.getLogger("tokenfleet.quota")
 
@@ -89,8 +87,7 @@ class RedisQuota:
             states.append(ScopeState(scope, lim, rpm, tpm, _int(live), _int(used), share, plan.max_share))
         reservation = None
         if allowed:
-            reservation = Reservation(request_id, scopes, tokens, (EPOCH + dt.timedelta(days=day)).isoformat(),
-                                      self.name, plan.index)
+            reservation = Reservation(request_id, scopes, tokens, day_name(day), self.name, plan.index)
         return decide(states, tokens, reservation, now, self.concurrency_retry_s)
 
     async def reconcile(self, reservation: Reservation, used_tokens: int) -> None:
@@ -100,7 +97,7 @@ class RedisQuota:
         keys.append(self.store.key(plan.tag, "reconciled", reservation.request_id))
         if plan.sliced:
             keys.append(self.store.key(plan.tag, "share"))
-        day = (dt.date.fromisoformat(reservation.day) - EPOCH).days
+        day = day_number(reservation.day)
         args = [reservation.request_id, used_tokens - reservation.tokens, day, len(reservation.scopes),
                 self.marker_ttl_s, _s0(plan), *(_packed(plan.limits(s.limits)) for s in reservation.scopes)]
         await self.store.run(RECONCILE, keys, args)

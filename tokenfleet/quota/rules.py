@@ -3,6 +3,8 @@ backend saw. The Redis script applies the same rule inside Redis; this module ex
 the levels the script returns, so both backends refuse with the same reasons and headers."""
 from __future__ import annotations
 
+import datetime as dt
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Iterator, Mapping
@@ -13,6 +15,7 @@ from tokenfleet.quota.limits import Limits
 
 log = logging.getLogger("tokenfleet.quota")
 DAY_S = 86400
+EPOCH = dt.date(1970, 1, 1)
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,18 @@ class Refusal:
     reason: str
     scope: str
     retry_after_s: float | None  # None: can never fit
+
+
+@functools.lru_cache(maxsize=4)
+def day_name(day: int) -> str:
+    """The UTC day number `day` (days since 1970-01-01) as a reservation names it: "2026-11-30"."""
+    return (EPOCH + dt.timedelta(days=day)).isoformat()
+
+
+@functools.lru_cache(maxsize=4)
+def day_number(name: str) -> int:
+    """The inverse of day_name (raises ValueError for a name that is not a date)."""
+    return (dt.date.fromisoformat(name) - EPOCH).days
 
 
 def seconds_to_midnight(now: float) -> float:

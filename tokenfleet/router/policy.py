@@ -143,14 +143,16 @@ class CacheAwarePolicy:
         return hashes[min(max(matched.values(), default=0), len(hashes) - 1)]
 
     def _rank(self, healthy: list[ReplicaState], matched: dict[str, int], key: bytes) -> list[ReplicaState]:
-        ring_rank = {name: i for i, name in enumerate(self.ring.order(key))}
-
-        def preference(replica: ReplicaState) -> tuple[int, float, int]:
-            depth = matched.get(replica.name, 0)
-            # Replicas holding nothing of the prompt stay in ring order whatever their load: ordering them by load
-            # would send every new prefix to the replica that looked least loaded at that instant.
-            return -depth, replica.load() if depth else 0.0, ring_rank.get(replica.name, len(ring_rank))
-        return sorted(healthy, key=preference)
+        """Replicas holding part of the prompt first (the deepest, then the least loaded), then the rest in ring
+        order whatever their load: ordering those by load would send every new prefix to the replica that looked
+        least loaded at that instant."""
+        by_name = {r.name: r for r in healthy}
+        in_ring = [by_name[name] for name in self.ring.order(key) if name in by_name]  # all: _sync_ring added them
+        if not matched:
+            return in_ring
+        holders = [r for r in in_ring if r.name in matched]
+        holders.sort(key=lambda r: (-matched[r.name], r.load()))  # stable: equals stay in ring order
+        return holders + [r for r in in_ring if r.name not in matched]
 
     def _capacity(self, loads: list[float]) -> int:
         """The most load a replica may have after taking this request (bounded-load consistent hashing).

@@ -246,9 +246,7 @@ class SimReplica:
         the same up to block relabelling)."""
         takes = self._takes[step % self.spec.block_size]
         if takes:
-            take = self._blocks.take_block
-            for req in takes:
-                take(req)
+            self._blocks.take_blocks(takes)
 
     def _register_blocks(self, step: int) -> None:
         """The blocks parked requests fill in `step`, registered in the prefix cache in the scheduler's order (the
@@ -375,10 +373,10 @@ class SimReplica:
     def _advance(self, run: _Run, current: int) -> None:
         """Applies the run's steps before `current` and the start of `current`, in step order."""
         first = run.ended + 1
-        takes, registers, bs = self._takes, self._registers, self.spec.block_size
+        registers, bs = self._registers, self.spec.block_size
         for k in range(first, current):
             if k > run.begun:
-                self._start_run_step(run, k) if takes[k % bs] else self._count_run_step(run, k)
+                self._start_run_step(run, k)
             if registers[k % bs]:
                 self._register_blocks(k)
         if current > first:
@@ -388,10 +386,9 @@ class SimReplica:
             self._start_run_step(run, current)
 
     def _start_run_step(self, run: _Run, step: int) -> None:
-        self._take_blocks(step)
-        self._count_run_step(run, step)
-
-    def _count_run_step(self, run: _Run, step: int) -> None:
+        takes = self._takes[step % self.spec.block_size]
+        if takes:
+            self._blocks.take_blocks(takes)
         self._steps += 1
         self._busy_s += run.durations[step - run.first]
         run.begun = step

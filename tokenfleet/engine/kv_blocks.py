@@ -143,8 +143,9 @@ class KVBlockManager:
         """Drops the request's references; blocks keep their cached contents, the tail ones are evicted first."""
         ref_counts, keys, plain, cached = self.ref_counts, self.keys, self.free_plain, self.free_cached
         for block_id in reversed(req.block_table):
-            ref_counts[block_id] -= 1
-            if not ref_counts[block_id]:
+            count = ref_counts[block_id] - 1
+            ref_counts[block_id] = count
+            if not count:
                 if keys[block_id] is None:
                     plain.append(block_id)  # nothing worth keeping: reused first (the table's head first)
                 else:

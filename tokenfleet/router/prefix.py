@@ -75,12 +75,19 @@ class PrefixIndex:
         """Per replica, how many leading blocks of the prompt it is believed to hold (replicas with none omitted)."""
         matched: dict[str, int] = {}
         get = self._entries.get
-        for depth, key in enumerate(hashes, start=1):
+        holders: list[str] = []  # the holders of the last blocks walked (long runs of blocks share them)
+        depth = 0
+        for key in hashes:
             entry = get(key)
             if entry is None or not entry.holders:
                 break
-            for replica in entry.holders:
-                matched[replica] = depth  # chained keys: holding block k means holding blocks 0..k
+            if entry.holders != holders:
+                for replica in holders:
+                    matched[replica] = depth  # chained keys: holding block k means holding blocks 0..k
+                holders = entry.holders
+            depth += 1
+        for replica in holders:
+            matched[replica] = depth
         return matched
 
     def holders(self, key: bytes) -> list[str]:

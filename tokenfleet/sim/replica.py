@@ -357,6 +357,8 @@ class SimReplica:
         finish = min(self._finishes)
         counts = [len(takes) for takes in self._takes]
         bs, free = self.spec.block_size, self._blocks.num_free_blocks
+        if sum(counts) * -(-(finish - step) // bs) <= free:  # enough for every step's takes, counted by whole cycles
+            return finish
         for k in range(step + 1, finish + 1):
             need = counts[k % bs]
             if need > free:

@@ -1,8 +1,11 @@
 """Memory backend specifics, with a clock the test moves: the UTC day rolls over, idle scopes are forgotten."""
 from __future__ import annotations
 
+import pytest
+
 from tests.quota.helpers import org, run
 from tokenfleet.quota import MemoryQuota
+from tokenfleet.quota.rules import day_name, day_number
 
 MIDNIGHT = 1_700_006_400.0  # a UTC midnight (divisible by 86400)
 
@@ -46,3 +49,11 @@ def test_idle_scopes_are_forgotten_but_not_before_they_would_read_the_same():
         await quota.reserve("tick2", [org("c")], 1)
         assert "org:b" not in quota._scopes
     run(main())
+
+
+def test_day_names_round_trip_and_a_bad_name_is_refused():
+    for day in (0, 19_675, 20_422, 2_932_896):  # 1970-01-01 .. 9999-12-31
+        assert day_number(day_name(day)) == day
+    assert day_name(19_675) == "2023-11-14" and day_name(0) == "1970-01-01"
+    with pytest.raises(ValueError):
+        day_number("2023-13-01")

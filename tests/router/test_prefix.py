@@ -36,6 +36,25 @@ def test_matches_counts_leading_blocks_and_stops_at_the_first_block_nobody_has()
     assert small.matches(prompt) == {"c": 2, "b": 5}
 
 
+def test_matches_is_each_replicas_deepest_listed_block_of_the_matched_prefix() -> None:
+    """matches walks runs of blocks with the same holders; it must equal the definition block by block, whatever
+    the holders do along the prompt (change, come back, stop before a gap)."""
+    prompts = [prompt_hashes(tokens(16 * 30, seed=s), 16) for s in range(3)]
+    rng = random.Random(7)
+    for _ in range(200):
+        index = PrefixIndex(max_entries=60, replicas_per_block=rng.choice([1, 2, 4]))
+        for _ in range(rng.randrange(1, 12)):
+            prompt = rng.choice(prompts)
+            index.record(prompt[:rng.randrange(1, 31)], rng.choice("abcde"))
+        for prompt in prompts:
+            expected: dict[str, int] = {}
+            for depth, key in enumerate(prompt, start=1):
+                if not index.holders(key):
+                    break
+                expected.update(dict.fromkeys(index.holders(key), depth))
+            assert index.matches(prompt) == expected
+
+
 def test_keeps_the_newest_few_replicas_per_block() -> None:
     index = PrefixIndex(replicas_per_block=2)
     prompt = prompt_hashes(tokens(32), 16)

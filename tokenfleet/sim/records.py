@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from tokenfleet.engine.request import Request
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class SimRequest:
     rid: str
     tier: str

@@ -72,7 +72,7 @@ class ReplicaSink(Protocol):
     # without it gets inter_tokens once per step, with the clock at the step's end
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Parked:
     req: Request
     sreq: SimRequest
@@ -89,7 +89,7 @@ class _Parked:
 _rank = operator.attrgetter("rank")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Run:
     """Steps first..last of parked decodes only, scheduled as one event (see the module's docstring)."""
 

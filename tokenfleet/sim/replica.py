@@ -87,6 +87,9 @@ class _Parked:
 
 
 _rank = operator.attrgetter("rank")
+# A run's step durations are computed when it starts, and an arrival at the replica cuts it (every few dozen steps
+# on a busy fleet): planning further ahead would mostly compute durations that are thrown away.
+RUN_STEPS = 64
 
 
 @dataclass(eq=False, slots=True)
@@ -353,8 +356,9 @@ class SimReplica:
 
     def _run_end(self, step: int) -> int:
         """The run's last step: the first parked request's last token, or the step before one whose block takes
-        could find too few free blocks (the scheduler might preempt then: that step runs in full)."""
-        finish = min(self._finishes)
+        could find too few free blocks (the scheduler might preempt then: that step runs in full), and at most
+        RUN_STEPS steps on (the next run goes on from there exactly as this one would have)."""
+        finish = min(min(self._finishes), step + RUN_STEPS)
         counts = [len(takes) for takes in self._takes]
         bs, free = self.spec.block_size, self._blocks.num_free_blocks
         if sum(counts) * -(-(finish - step) // bs) <= free:  # enough for every step's takes, counted by whole cycles

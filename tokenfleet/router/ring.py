@@ -25,7 +25,9 @@ class HashRing:
         self._ring: list[tuple[int, str]] = []  # (point, owner), sorted; equal points ordered by name
         self._points: list[int] = []  # the points alone, for bisect
         self._replicas: set[str] = set()
-        self._orders: dict[bytes, list[str]] = {}  # order() by key, while the ring does not change
+        # order() by the ring position a key lands on (keys landing between the same two points share it), while
+        # the ring does not change
+        self._orders: dict[int, list[str]] = {}
         for replica in replicas:
             self.add(replica)
 
@@ -57,19 +59,18 @@ class HashRing:
         self._orders.clear()
 
     def order(self, key: bytes) -> list[str]:
-        """Every replica once, in ring order from the key's point: the key's first choice, then its fallbacks.
-        Remembered per key until the ring changes (a conversation asks again at every turn)."""
-        order = self._orders.get(key)
+        """Every replica once, in ring order from the key's point: the key's first choice, then its fallbacks."""
+        if not self._ring:
+            return []
+        start = bisect.bisect_left(self._points, ring_point(key)) % len(self._ring)
+        order = self._orders.get(start)
         if order is None:
             if len(self._orders) * len(self._replicas) >= ORDER_NAMES_KEPT:
                 self._orders.clear()
-            order = self._orders[key] = self._walk(key)
+            order = self._orders[start] = self._walk(start)
         return list(order)
 
-    def _walk(self, key: bytes) -> list[str]:
-        if not self._points:
-            return []
-        start = bisect.bisect_left(self._points, ring_point(key))
+    def _walk(self, start: int) -> list[str]:
         seen: dict[str, None] = {}
         n = len(self._ring)
         for step in range(n):

@@ -8,6 +8,7 @@
 For each config: the run's wall and CPU time (process time, which other processes on a shared machine cannot
 inflate), requests simulated (every turn that arrived), engine steps, and what share of steps ran in full
 (parked decodes rejoining the scheduler). Target (issue 7): at least 100,000 simulated requests per minute.
+Every run is made in a fresh process, as `tokenfleet simulate` makes one simulation per process.
 
 `--against REV`: this machine's speed drifts by tens of percent within an hour, so a speed change is measured by
 running the code at REV (a temporary `git worktree`) and this checkout's code alternately, each run in a fresh
@@ -27,12 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-
-from tokenfleet.sim import config  # noqa: E402
-from tokenfleet.sim.fleet import Fleet  # noqa: E402
-from tokenfleet.sim.report import build_report  # noqa: E402
 
 try:
     from _cpuprobe import CpuProbe  # noqa: E402
@@ -65,43 +61,45 @@ def measure_repeated(path: str, seed: int, repeats: int) -> dict:
 
 
 def measure(path: str, seed: int) -> dict:
-    setup = config.load(path if Path(path).is_absolute() else ROOT / path, seed)
+    """One run in a fresh process, as `tokenfleet simulate` runs one simulation per process: runs made one after
+    another in one process got slower on the 8B fleet (13 s, 14 s, 15 s: the heap the earlier runs left)."""
     probe = CpuProbe() if CpuProbe else None
     if probe:
         probe.start()
-    wall, cpu = time.perf_counter(), time.process_time()
-    fleet = Fleet(setup).run()
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    report = build_report(fleet, wall)
-    t = report["totals"]
-    return {"config": path, "setup": report["setup"], "requests": fleet.requests_seen, "wall_s": round(wall, 2),
-            "cpu_s": round(cpu, 2), "per_wall_minute": round(fleet.requests_seen / wall * 60),
-            "per_cpu_minute": round(fleet.requests_seen / cpu * 60), "steps": t["engine_steps"],
-            "full_steps": t["full_steps"], "simulated_s": round(fleet.clock.now, 1),
-            "other_cpu_share": probe.stop(wall) if probe else None}
+    began = time.perf_counter()
+    run = one_run(ROOT, path, seed)
+    others = probe.stop(time.perf_counter() - began) if probe else None
+    wall, cpu = run["wall_s"], run["cpu_s"]
+    return {"config": path, "setup": run["setup"], "requests": run["requests"], "wall_s": round(wall, 2),
+            "cpu_s": round(cpu, 2), "per_wall_minute": round(run["requests"] / wall * 60),
+            "per_cpu_minute": round(run["requests"] / cpu * 60), "steps": run["steps"],
+            "full_steps": run["full_steps"], "simulated_s": round(run["simulated_s"], 1), "other_cpu_share": others}
 
 
-# One run in a fresh process with the code of the checkout it runs in: CPU seconds and the report's digest.
+# One run with the code of the checkout it runs in: its times, what it simulated, and the digest of its report
+# (built with wall time 0, so that the same decisions give the same digest).
 _ONE_RUN = """
 import hashlib, json, sys, time
 from tokenfleet.sim import config
 from tokenfleet.sim.fleet import Fleet
 from tokenfleet.sim.report import build_report
 setup = config.load(sys.argv[1], int(sys.argv[2]))
-began = time.process_time()
+wall, cpu = time.perf_counter(), time.process_time()
 fleet = Fleet(setup).run()
-cpu = time.process_time() - began
-report = json.dumps(build_report(fleet, 0.0), sort_keys=True)
-print(cpu, hashlib.sha256(report.encode()).hexdigest())
+wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+report = build_report(fleet, 0.0)
+print(json.dumps({"wall_s": wall, "cpu_s": cpu, "requests": fleet.requests_seen, "setup": report["setup"],
+                  "steps": report["totals"]["engine_steps"], "full_steps": report["totals"]["full_steps"],
+                  "simulated_s": fleet.clock.now,
+                  "digest": hashlib.sha256(json.dumps(report, sort_keys=True).encode()).hexdigest()}))
 """
 
 
-def one_run(checkout: Path, path: str, seed: int) -> tuple[float, str]:
+def one_run(checkout: Path, path: str, seed: int) -> dict:
     config_path = Path(path) if Path(path).is_absolute() else ROOT / path  # this checkout's config, for both
     out = subprocess.run([sys.executable, "-c", _ONE_RUN, str(config_path), str(seed)], cwd=checkout,
                          env={**os.environ, "PYTHONPATH": str(checkout)}, capture_output=True, text=True, check=True)
-    cpu, digest = out.stdout.split()
-    return float(cpu), digest
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def compare(rev: str, paths: list[str], seed: int, pairs: int) -> str:
@@ -115,10 +113,11 @@ def compare(rev: str, paths: list[str], seed: int, pairs: int) -> str:
         try:
             for path in paths:
                 runs = [(one_run(old_tree, path, seed), one_run(ROOT, path, seed)) for _ in range(pairs)]
-                ratios = [new[0] / old[0] for old, new in runs]
-                same = all(old[1] == new[1] for old, new in runs)
-                lines.append(f"| `{path}` | {', '.join(f'{o[0]:.2f}' for o, _ in runs)} | "
-                             f"{', '.join(f'{n[0]:.2f}' for _, n in runs)} | "
+                old_s, new_s = [old["cpu_s"] for old, _ in runs], [new["cpu_s"] for _, new in runs]
+                ratios = [new / old for old, new in zip(old_s, new_s)]
+                same = all(old["digest"] == new["digest"] for old, new in runs)
+                lines.append(f"| `{path}` | {', '.join(f'{s:.2f}' for s in old_s)} | "
+                             f"{', '.join(f'{s:.2f}' for s in new_s)} | "
                              f"{', '.join(f'{r:.3f}' for r in ratios)} | "
                              f"{statistics.median(ratios):.3f} | {'yes' if same else 'NO'} |")
         finally:

@@ -392,9 +392,7 @@ class SimReplica:
             self._start_run_step(run, current)
 
     def _start_run_step(self, run: _Run, step: int) -> None:
-        takes = self._takes[step % self.spec.block_size]
-        if takes:
-            self._blocks.take_blocks(takes)
+        self._take_blocks(step)
         self._steps += 1
         self._busy_s += run.durations[step - run.first]
         run.begun = step

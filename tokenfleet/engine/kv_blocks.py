@@ -1,7 +1,7 @@
 """The paged KV cache's bookkeeping: a pool of fixed-size blocks, block tables, prefix caching, swap space.
 
-Every device block is in exactly one of two states: owned (ref_count > 0, in one or more block tables) or free
-(ref_count == 0). A free block may still hold a cached prefix (it has a hash): it is reused on a prefix hit, or
+Every device block is in exactly one of two states: owned (its ref count > 0, in one or more block tables) or free
+(ref count 0). A free block may still hold a cached prefix (it has a key): it is reused on a prefix hit, or
 evicted - least recently used first - when a fresh block is needed.
 
 Fresh blocks are taken in this order: blocks freed without a cached prefix (last freed first: `free_plain`), then

@@ -9,6 +9,7 @@ import asyncio
 import json
 from dataclasses import dataclass, field
 from tokenfleet.conversations.records import COMPLETE, FAILED, STOPPED, Message, Outcome
+from tokenfleet.conversations.store import storable
 from tokenfleet.gateway.relay import Relay
 from tokenfleet.gateway.resume import StreamEvent
 
@@ -46,7 +47,7 @@ class Run:
         """One native event of the relay."""
         data = json.loads(event.data)
         if event.event is None:
-            delta = data.get("delta") or ""
+            delta = storable(data.get("delta") or "")  # streamed as it will be saved, so a refresh shows the same
             self.text += delta
             self.finish_reason = data.get("finish_reason") or self.finish_reason
             if delta:

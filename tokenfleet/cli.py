@@ -196,18 +196,22 @@ COMMANDS: list[Command] = [
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Every command's arguments, or with `only` just that command's: each command imports what its arguments
+    need (the engine's, PyTorch), so a command parses without importing the others'."""
     parser = argparse.ArgumentParser(prog="tokenfleet", description="tokenfleet LLM serving platform")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         sub = subparsers.add_parser(command.name, help=command.help, description=command.help)
-        command.add_arguments(sub)
+        if only is None or command.name == only:
+            command.add_arguments(sub)
         sub.set_defaults(run=command.run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(only=argv[0] if argv else "").parse_args(argv)
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError) as e:  # a mistake in flags or configuration: a message, not a traceback

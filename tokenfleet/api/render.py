@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from tokenfleet.engine.engine import RequestOutput
 from tokenfleet.engine.request import TokenLogprob
 from tokenfleet.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from tokenfleet.engine.engine import RequestOutput
 
 
 @dataclass

@@ -4,8 +4,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -108,6 +110,7 @@ class Request:
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         if self.params.seed is not None:
+            import torch  # here, not at the top: the gateway, router and simulator use requests without PyTorch
             self.generator = torch.Generator().manual_seed(self.params.seed)
 
     @property

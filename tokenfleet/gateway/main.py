@@ -14,7 +14,6 @@ from fastapi import FastAPI
 from tokenfleet.api.http import configure_logging, run_http
 from tokenfleet.autoscale.service import add_autoscaler
 from tokenfleet.config import EngineConfig, FleetConfig, TierConfig, engine_config_from_args
-from tokenfleet.engine.engine_process import start_engine
 from tokenfleet.dispatch.overload import OverloadLadder
 from tokenfleet.dispatch.queue import Dispatcher
 from tokenfleet.billing.routes import add_usage_routes
@@ -34,7 +33,6 @@ from tokenfleet.quota.base import QuotaService
 from tokenfleet.quota.failover import FailoverQuota
 from tokenfleet.quota.memory import MemoryQuota
 from tokenfleet.quota.redis import RedisQuota
-from tokenfleet.replica.server import ReplicaService
 from tokenfleet.router.catalog import ModelCatalog
 from tokenfleet.router.registry import ReplicaRegistry
 from tokenfleet.router.router import Router
@@ -218,6 +216,9 @@ def serve_gateway(args: argparse.Namespace) -> None:
 def serve_embedded(args: argparse.Namespace) -> None:
     """Gateway and one replica in this process: in-memory resume buffer and quotas, SQLite for keys when --auth,
     the same endpoints as a fleet."""
+    from tokenfleet.engine.engine_process import start_engine  # the engine (and PyTorch) only where it runs
+    from tokenfleet.replica.server import ReplicaService
+
     configure_logging()
     if args.model is None:
         args.model = str(demo_checkpoint())

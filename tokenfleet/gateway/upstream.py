@@ -5,14 +5,16 @@ from __future__ import annotations
 import json
 import time
 from contextlib import aclosing
-from typing import AsyncIterator, Protocol
+from typing import TYPE_CHECKING, AsyncIterator, Protocol
 
 import httpx
 
 from tokenfleet.api.errors import APIError
 from tokenfleet.gateway.stream_client import StreamClient, UpstreamError
-from tokenfleet.replica.server import ReplicaService
 from tokenfleet.router.load import LoadReport, fetch_load
+
+if TYPE_CHECKING:
+    from tokenfleet.replica.server import ReplicaService
 
 PATHS = {"chat": "/v1/chat/completions", "text": "/v1/completions"}
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -14,19 +16,25 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 
-DTYPES = {
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+DTYPE_NAMES = {  # what config.json and --dtype may say -> the torch dtype's name
+    "float32": "float32", "float": "float32", "fp32": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "half": "float16", "fp16": "float16",
 }
 
 
+def canonical_dtype(name: str) -> str:
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of float32, bfloat16, float16")
+    return DTYPE_NAMES[name]
+
+
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    import torch  # here, not at the top: the gateway reads checkpoints' configs without PyTorch
+
     if isinstance(name, torch.dtype):
         return name
-    if name not in DTYPES:
-        raise ValueError(f"unsupported dtype {name!r}; choose one of float32, bfloat16, float16")
-    return DTYPES[name]
+    return getattr(torch, canonical_dtype(name))
 
 
 @dataclass
@@ -49,7 +57,7 @@ class ModelConfig:
     mlp_bias: bool
     qk_norm: bool
     sliding_window: int | None
-    dtype: torch.dtype
+    dtype_name: str  # the weights' dtype: float32, bfloat16 or float16
     eos_token_ids: list[int]
 
     @classmethod
@@ -91,9 +99,13 @@ class ModelConfig:
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=family == "qwen3",
             sliding_window=_sliding_window(raw, family),
-            dtype=parse_dtype(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            dtype_name=canonical_dtype(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
         )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype_name)
 
     @property
     def max_model_len(self) -> int:

@@ -155,6 +155,21 @@ def test_a_removed_replica_still_listed_is_never_put_back():
     assert d.undrain == [] and d.remove == [] and d.start == 2, "its process is being stopped: start new ones"
 
 
+def test_one_quiet_sample_after_a_gap_is_not_a_quiet_delay():
+    """The delay is measured in time, not over the samples kept: busy until t=600, then no step ran until t=910.
+    That the pool was quiet for the 300 s before t=910 is not known, so one quiet sample shrinks nothing."""
+    policy = Autoscaler(settings(scale_down_delay_s=300))
+    for t in range(0, 610, 10):
+        assert decide(policy, t, ready=3, in_flight=27, replicas=replicas(9, 9, 9)).desired == 3
+    quiet = dict(ready=3, in_flight=2, replicas=replicas(1, 0, 1))
+    d = decide(policy, 910, **quiet)
+    assert d.desired == 3 and not d.drain, d.reason
+    for t in range(920, 1210, 10):
+        assert decide(policy, t, **quiet).desired == 3
+    d = decide(policy, 1210, **quiet)
+    assert d.desired == 2 and d.reason.startswith("down 3 -> 2"), "quiet from t=910 for the whole 300 s"
+
+
 def test_noisy_signals_do_not_flap():
     policy = Autoscaler(settings(pools={"chat": PoolPolicy(min_replicas=1, max_replicas=8, target_in_flight=10)}))
     rng, changes, last = random.Random(7), 0, None

@@ -112,9 +112,7 @@ class Autoscaler:
         need = self.need(now, s)
         up = self._replicas(need.replicas, p)
         down = self._replicas(need.replicas / self.settings.scale_down_utilization, p)
-        st.window.append((now, down))
-        while st.window and st.window[0][0] < now - self.settings.scale_down_delay_s:
-            st.window.popleft()
+        self._sample(st, now, down)
         if up > st.target:
             reason = f"up {st.target} -> {up}: {need.describe()}"
             st.target, st.changed_at = up, now
@@ -136,10 +134,18 @@ class Autoscaler:
             st = self._state[name] = _PoolState(start, now, now)
         return st
 
+    def _sample(self, st: _PoolState, now: float, down: int) -> None:
+        """Keeps the samples covering the last scale_down_delay_s: those in it and the newest one before it, which
+        stands for the time from the window's start to the next sample (after a gap, that may be long ago)."""
+        st.window.append((now, down))
+        start = now - self.settings.scale_down_delay_s
+        while len(st.window) > 1 and st.window[1][0] <= start:
+            st.window.popleft()
+
     def _may_shrink(self, st: _PoolState, now: float) -> bool:
         s = self.settings
-        return (max(d for _, d in st.window) < st.target and now - st.changed_at >= s.cooldown_s
-                and now - st.created_at >= s.scale_down_delay_s)
+        covered = st.window[0][0] <= now - s.scale_down_delay_s
+        return covered and max(d for _, d in st.window) < st.target and now - st.changed_at >= s.cooldown_s
 
     def need(self, now: float, s: PoolSignals) -> Need:
         """Replicas the pool's signals call for now (fractional; no buffer, no bounds)."""

@@ -170,6 +170,21 @@ def test_one_quiet_sample_after_a_gap_is_not_a_quiet_delay():
     assert d.desired == 2 and d.reason.startswith("down 3 -> 2"), "quiet from t=910 for the whole 300 s"
 
 
+def test_a_restarted_gateway_adopts_the_replicas_it_finds_and_shrinks_them_gradually():
+    """Its first decision may come before the replica registry is read (ready 0, target min_replicas). The 8
+    replicas found on the next step are the target then: down to the need only through the delay and the steps,
+    not 8 -> 4 at once."""
+    pools = {"chat": PoolPolicy(min_replicas=1, max_replicas=10, target_in_flight=10)}
+    policy = Autoscaler(settings(pools=pools))  # scale_down_delay_s 60, cooldown_s 30
+    assert decide(policy, 0, ready=0).desired == 1
+    found = dict(ready=8, in_flight=34, replicas=replicas(*[4] * 7, 6))  # needs 3.4 replicas
+    for t in range(10, 60, 10):
+        d = decide(policy, t, **found)
+        assert d.desired == 8 and not d.drain, d.reason
+    d = decide(policy, 60, **found)
+    assert d.desired == 7 and len(d.drain) == 1 and d.reason.startswith("down 8 -> 7"), d.reason
+
+
 def test_noisy_signals_do_not_flap():
     policy = Autoscaler(settings(pools={"chat": PoolPolicy(min_replicas=1, max_replicas=8, target_in_flight=10)}))
     rng, changes, last = random.Random(7), 0, None

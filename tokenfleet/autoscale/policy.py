@@ -127,11 +127,15 @@ class Autoscaler:
         return st.target, need, reason
 
     def _pool_state(self, name: str, now: float, s: PoolSignals) -> _PoolState:
+        p = self.policy_for(s)
+        serving = min(s.ready + s.starting, p.max_replicas)
         st = self._state.get(name)
         if st is None:
-            p = self.policy_for(s)
-            start = min(max(s.ready + s.starting, p.min_replicas), p.max_replicas)
-            st = self._state[name] = _PoolState(start, now, now)
+            st = self._state[name] = _PoolState(max(serving, p.min_replicas), now, now)
+        elif now - st.created_at < self.settings.scale_down_delay_s and serving > st.target:
+            # A restarted gateway may decide before it has read the replica registry (ready 0): the replicas that
+            # show up later are what is there, to be shrunk through the delay and the steps, not all at once.
+            st.target = serving
         return st
 
     def _sample(self, st: _PoolState, now: float, down: int) -> None:

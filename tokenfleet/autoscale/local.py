@@ -4,7 +4,9 @@
 A new replica joins the way any replica does: with the fleet's Redis it runs with `--register` and announces itself
 in the registry once it serves (every gateway sees it); without Redis the orchestrator adds it to this gateway's
 router when its /health answers. It is stopped only after the autoscaler drained it and saw it empty; the SIGTERM
-then finds nothing to wait for (and would still let a straggler finish, up to the replica's --drain-timeout)."""
+then finds nothing to wait for (and would still let a straggler finish, up to the replica's --drain-timeout); one
+still running KILL_SLACK_S after that is killed. Until its process exits a stopping replica holds its machine:
+`stopping()` counts them, for a shared budget."""
 from __future__ import annotations
 
 import asyncio
@@ -26,6 +28,8 @@ from tokenfleet.autoscale.signals import pool_key
 
 log = logging.getLogger(__name__)
 
+KILL_SLACK_S = 5.0  # a replica still running this long after its SIGTERM drain limit is killed
+
 
 @dataclass
 class LocalReplica:
@@ -39,6 +43,7 @@ class LocalReplica:
     launched: float  # monotonic
     ready: bool = False  # in the router
     stopping: bool = False
+    sigterm_at: float | None = None  # monotonic: when stop() sent SIGTERM; None before, and once killed
 
 
 class LocalOrchestrator:
@@ -58,6 +63,16 @@ class LocalOrchestrator:
         counts: dict[str, int] = {}
         for r in self.replicas.values():
             if not r.ready and not r.stopping:
+                key = pool_key(r.model, r.region)
+                counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    def stopping(self) -> dict[str, int]:
+        """Pool key -> replicas being stopped whose process still runs: out of the router, but each still holds its
+        machine (for a shared budget)."""
+        counts: dict[str, int] = {}
+        for r in self.replicas.values():
+            if r.stopping and r.proc.poll() is None:
                 key = pool_key(r.model, r.region)
                 counts[key] = counts.get(key, 0) + 1
         return counts
@@ -108,20 +123,31 @@ class LocalOrchestrator:
             return
         if not replica.stopping and replica.proc.poll() is None:
             replica.proc.send_signal(signal.SIGTERM)
+            replica.sigterm_at = time.monotonic()
             log.info("stopping replica %s of %s (drained)", name, replica.model)
         replica.stopping = True
 
     # --- keeping track ----------------------------------------------------------------------------------------
 
     async def poll(self) -> None:
-        """Reaps exited replicas, kills ones that never came up, and notices those now serving."""
+        """Reaps exited replicas, kills ones that never came up or do not stop, and notices those now serving."""
         async with httpx.AsyncClient(timeout=1.0) as client:
             for replica in list(self.replicas.values()):
                 code = replica.proc.poll()
                 if code is not None:
                     self._exited(replica, code)
-                elif not replica.ready and not replica.stopping:
+                elif replica.stopping:
+                    self._check_stopped(replica)
+                elif not replica.ready:
                     await self._check_started(client, replica)
+
+    def _check_stopped(self, replica: LocalReplica) -> None:
+        limit = self.local.drain_timeout_s + KILL_SLACK_S
+        if replica.sigterm_at is not None and time.monotonic() - replica.sigterm_at > limit:
+            log.warning("replica %s still running %.0fs after SIGTERM; killing it (log: %s)", replica.name, limit,
+                        replica.log_path)
+            replica.proc.kill()
+            replica.sigterm_at = None  # the next poll reaps it
 
     async def _check_started(self, client: httpx.AsyncClient, replica: LocalReplica) -> None:
         pools = self.router.models[replica.model]
@@ -158,7 +184,7 @@ class LocalOrchestrator:
         for replica in self.replicas.values():
             if replica.proc.poll() is None:
                 replica.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.local.drain_timeout_s + 5
+        deadline = time.monotonic() + self.local.drain_timeout_s + KILL_SLACK_S
         while any(r.proc.poll() is None for r in self.replicas.values()) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         for replica in self.replicas.values():

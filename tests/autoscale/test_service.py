@@ -88,7 +88,7 @@ async def test_signals_come_from_the_router_and_the_fair_queue(demo_model_dir):
     set_load(gateway, "chat", "b", running=1, kv=0.3)
     gateway.router.models["chat"].set_draining("b")
 
-    signals = service.reader.read(100.0, {"chat/default": 1}, {"a": 1.0})["chat/default"]
+    signals = service.reader.read(service.reader.shares(100.0), {"chat/default": 1}, {"a": 1.0})["chat/default"]
     assert (signals.ready, signals.starting, signals.draining) == (1, 1, 1)
     assert signals.queued_requests == 2 and signals.batch_queued == 1 and signals.batch_in_flight == 1
     assert signals.queued_tokens == 1000 + 1000 and signals.in_flight == 4 + 1
@@ -98,7 +98,7 @@ async def test_signals_come_from_the_router_and_the_fair_queue(demo_model_dir):
     waiters += [asyncio.ensure_future(chat.acquire(Ticket(f"r{i}", "acme", tier, 5)))
                 for i, tier in enumerate(("paid", "paid", "batch"))]
     await asyncio.sleep(0)
-    assert math.isclose(service.reader.read(110.0)["chat/default"].arrival_rate, 2 / 10), "batch arrivals left out"
+    assert math.isclose(service.reader.shares(110.0)["chat/default"].arrival_rate, 2 / 10), "batch arrivals left out"
     for waiter in waiters:
         waiter.cancel()
     for slot in held:
@@ -208,5 +208,5 @@ def test_a_request_moving_between_replicas_is_counted_once():
     """One request at a time alternating between two replicas: the one it left still reports it (its load report
     is a moment old) while the one it went to counts it fresh. Per replica that is two; for the pool, one."""
     replicas = [ReplicaSignals("a", running=1, in_flight=0), ReplicaSignals("b", running=0, in_flight=1)]
-    signals = pool_signals("m/default", replicas, None, ("batch",), 1000.0)
+    signals = pool_signals("m/default", replicas, None, 1000.0)
     assert signals.in_flight == 1 and [r.busy for r in replicas] == [1, 1]

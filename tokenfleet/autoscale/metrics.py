@@ -1,7 +1,8 @@
 """The autoscaler's inputs and decision as Prometheus metrics, one series per pool (labels: the model, and the
 router's pool, i.e. the region), read at scrape time from the last decision. KEDA or a Horizontal Pod Autoscaler
-scales a replica Deployment on `max(tokenfleet_autoscale_desired_replicas{model="...", pool="..."})` (the max over
-gateways: each one decides on its own)."""
+scales a replica Deployment on `max(tokenfleet_autoscale_desired_replicas{model="...", pool="..."})`: every
+gateway exports a decision; with a fleet's Redis they all decide on the same totals (autoscale.shared), and the
+max covers the moment between their steps."""
 from __future__ import annotations
 
 from collections import Counter

@@ -12,6 +12,7 @@ from typing import Protocol
 from tokenfleet.autoscale.local import LocalOrchestrator
 from tokenfleet.autoscale.metrics import AutoscaleCollector
 from tokenfleet.autoscale.policy import Autoscaler, Decision, batch_gate
+from tokenfleet.autoscale.shared import SharedShares
 from tokenfleet.autoscale.signals import GatewaySignals, PoolSignals, pool_key
 
 log = logging.getLogger(__name__)
@@ -31,9 +32,11 @@ class Orchestrator(Protocol):
 
 class AutoscaleService:
     def __init__(self, policy: Autoscaler, reader: GatewaySignals, orchestrator: Orchestrator | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
-        """The wall clock by default: forecasts are by time of day."""
+                 clock: Callable[[], float] = time.time, shared: SharedShares | None = None) -> None:
+        """The wall clock by default: forecasts are by time of day. `shared`: with several gateways (a fleet's
+        Redis), decide on every gateway's queues and arrivals added up, not this one's alone."""
         self.policy, self.reader, self.orchestrator, self.clock = policy, reader, orchestrator, clock
+        self.shared = shared
         self.router, self.admission = reader.router, reader.admission
         self.signals: dict[str, PoolSignals] = {}
         self.decisions: dict[str, Decision] = {}
@@ -52,7 +55,10 @@ class AutoscaleService:
         if orchestrator is not None:
             await orchestrator.poll()
         now = self.clock()
-        signals = self.reader.read(now, orchestrator.starting() if orchestrator else None,
+        shares = self.reader.shares(now)
+        if self.shared is not None:
+            shares = await self.shared.total(shares)
+        signals = self.reader.read(shares, orchestrator.starting() if orchestrator else None,
                                    orchestrator.owned() if orchestrator else None)
         decisions = self.policy.decide(now, signals)
         self._record(decisions)
@@ -105,7 +111,12 @@ def add_autoscaler(gateway, config) -> AutoscaleService | None:
     if settings.orchestrator == "local":
         orchestrator = LocalOrchestrator(router, settings, config.redis_url, config.routing.register_prefix)
         gateway.closers.append(orchestrator.close)
-    service = AutoscaleService(Autoscaler(settings), reader, orchestrator)
+    shared = None
+    if config.redis_url:
+        import redis.asyncio as redis
+
+        shared = SharedShares(redis.from_url(config.redis_url), config.routing.register_prefix, 3 * settings.interval_s)
+    service = AutoscaleService(Autoscaler(settings), reader, orchestrator, shared=shared)
     gateway.metrics.registry.register(AutoscaleCollector(service))
     gateway.services.append(service.run)
     log.info("autoscaling %s (%s mode, orchestrator %s)", ", ".join(router.models), settings.mode,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 
 from tokenfleet.dispatch.overload import LoadSignal, projected_ttft_s
 from tokenfleet.dispatch.records import DispatchSnapshot
@@ -108,6 +108,39 @@ def dispatch_split(snapshot: DispatchSnapshot, batch_tiers: Collection[str]) -> 
             "arrivals": sum(t.dispatched + t.cancelled + t.queued for n, t in tiers if n not in batch_tiers)}
 
 
+@dataclass
+class GatewayShare:
+    """One gateway's part of a pool's signals: what waits in its fair queue, the batch work holding its dispatch
+    slots, its interactive arrival rate. The replicas' reports (in flight, KV usage, queued prefill) are the same
+    from every gateway; these are not, so gateways add up their shares (autoscale.shared)."""
+
+    queued: int = 0  # interactive requests waiting
+    queued_tokens: int = 0  # ... and their prompt tokens
+    batch_queued: int = 0
+    batch_in_use: int = 0  # dispatch slots held by batch requests
+    in_use: int = 0  # dispatch slots held, every tier
+    slots: int = 0
+    arrival_rate: float = 0.0  # interactive requests/s, smoothed
+
+    def __add__(self, other: GatewayShare) -> GatewayShare:
+        return GatewayShare(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+
+def gateway_share(snapshot: DispatchSnapshot, batch_tiers: Collection[str], arrival_rate: float) -> GatewayShare:
+    split = dispatch_split(snapshot, batch_tiers)
+    return GatewayShare(split["queued"], split["queued_tokens"], split["batch_queued"], split["batch_in_use"],
+                        snapshot.in_use, snapshot.slots, arrival_rate)
+
+
+def add_shares(*shares: Mapping[str, GatewayShare]) -> dict[str, GatewayShare]:
+    """Pool key -> the sum of the given gateways' shares of it."""
+    total: dict[str, GatewayShare] = {}
+    for by_pool in shares:
+        for key, share in by_pool.items():
+            total[key] = total[key] + share if key in total else share
+    return total
+
+
 def replica_signals(replicas, health, owned: Mapping[str, float]) -> list[ReplicaSignals]:
     """The router's view of some replicas (router.pool.Replica) of one model."""
     out = []
@@ -119,25 +152,23 @@ def replica_signals(replicas, health, owned: Mapping[str, float]) -> list[Replic
     return out
 
 
-def pool_signals(key: str, replicas: list[ReplicaSignals], snapshot: DispatchSnapshot | None,
-                 batch_tiers: Collection[str], prefill_tokens_per_s: float, starting: int = 0,
-                 arrival_rate: float = 0.0) -> PoolSignals:
-    """One pool's signals from its replicas and, for the pool the gateway's fair queue feeds, the queue's
-    snapshot."""
+def pool_signals(key: str, replicas: list[ReplicaSignals], share: GatewayShare | None, prefill_tokens_per_s: float,
+                 starting: int = 0) -> PoolSignals:
+    """One pool's signals from its replicas and, for a pool gateways' fair queues feed, their share."""
     ready = [r for r in replicas if not r.draining and r.healthy]
-    split = dispatch_split(snapshot, batch_tiers) if snapshot is not None else dict.fromkeys(SPLIT, 0)
+    share = share or GatewayShare()
     replica_tokens = sum(r.queued_tokens for r in replicas)
     kv = [r.kv_usage for r in ready]
-    in_use, slots = (snapshot.in_use, snapshot.slots) if snapshot is not None else (0, 0)
-    ttft = projected_ttft_s(LoadSignal(split["queued_tokens"], replica_tokens, in_use, slots,
+    ttft = projected_ttft_s(LoadSignal(share.queued_tokens, replica_tokens, share.in_use, share.slots,
                                        prefill_tokens_per_s * len(ready)))
     return PoolSignals(
         pool=key, ready=len(ready), starting=starting, draining=sum(r.draining for r in replicas),
-        queued_requests=split["queued"], queued_tokens=split["queued_tokens"] + replica_tokens,
-        in_flight=_in_flight(replicas), batch_in_flight=split["batch_in_use"],
-        batch_queued=split["batch_queued"], kv_usage_mean=sum(kv) / len(kv) if kv else 0.0,
-        kv_usage_max=max(kv, default=0.0), projected_ttft_s=ttft, arrival_rate=arrival_rate, replicas=replicas,
-        unavailable=sum(not r.draining and not r.healthy for r in replicas), prefill_tokens_per_s=prefill_tokens_per_s)
+        queued_requests=share.queued, queued_tokens=share.queued_tokens + replica_tokens,
+        in_flight=_in_flight(replicas), batch_in_flight=share.batch_in_use,
+        batch_queued=share.batch_queued, kv_usage_mean=sum(kv) / len(kv) if kv else 0.0,
+        kv_usage_max=max(kv, default=0.0), projected_ttft_s=ttft, arrival_rate=share.arrival_rate,
+        replicas=replicas, unavailable=sum(not r.draining and not r.healthy for r in replicas),
+        prefill_tokens_per_s=prefill_tokens_per_s)
 
 
 def _in_flight(replicas: list[ReplicaSignals]) -> int:
@@ -157,22 +188,27 @@ class GatewaySignals:
         self.batch_tiers, self.prefill_tokens_per_s = tuple(batch_tiers), prefill_tokens_per_s
         self.rates = RateMeter(rate_window_s)
 
-    def read(self, now: float, starting: Mapping[str, int] | None = None,
-             owned: Mapping[str, float] | None = None) -> dict[str, PoolSignals]:
-        """`starting`: pool key -> replicas launched and not yet in the router; `owned`: replica name -> start
-        time, for the replicas the orchestrator can stop."""
-        starting, out = starting or {}, {}
+    def shares(self, now: float) -> dict[str, GatewayShare]:
+        """This gateway's share of each model's nearest pool (where its fair queue sends work)."""
+        out = {}
         for model, pools in self.router.models.items():
             snapshot = self.admission.dispatchers[model].snapshot()
             rate = self.rates.update(model, dispatch_split(snapshot, self.batch_tiers)["arrivals"], now)
-            nearest = nearest_region(pools)
+            out[pool_key(model, nearest_region(pools))] = gateway_share(snapshot, self.batch_tiers, rate)
+        return out
+
+    def read(self, shares: Mapping[str, GatewayShare], starting: Mapping[str, int] | None = None,
+             owned: Mapping[str, float] | None = None) -> dict[str, PoolSignals]:
+        """`shares`: pool key -> the gateways' share (this one's, or every live gateway's added up); `starting`:
+        pool key -> replicas launched and not yet in the router; `owned`: replica name -> start time, for the
+        replicas the orchestrator can stop."""
+        starting, out = starting or {}, {}
+        for model, pools in self.router.models.items():
             for region in regions(pools, starting):
                 key = pool_key(model, region)
                 members = [r for r in pools.replicas.values() if r.pool == region]
-                fed = region == nearest
-                signals = pool_signals(key, replica_signals(members, pools.health, owned or {}),
-                                       snapshot if fed else None, self.batch_tiers, self.prefill_tokens_per_s,
-                                       starting.get(key, 0), rate if fed else 0.0)
+                signals = pool_signals(key, replica_signals(members, pools.health, owned or {}), shares.get(key),
+                                       self.prefill_tokens_per_s, starting.get(key, 0))
                 signals.model, signals.region = model, region
                 out[key] = signals
         return out

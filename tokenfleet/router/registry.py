@@ -73,7 +73,7 @@ class RegistryKeys:
 
 
 @dataclass(frozen=True)
-class _Script:
+class Script:
     source: str
 
     @property
@@ -81,10 +81,10 @@ class _Script:
         return hashlib.sha1(self.source.encode()).hexdigest()
 
 
-_NOW = "local t = redis.call('TIME')\nlocal now = tonumber(t[1]) + tonumber(t[2]) / 1000000\n"
+REDIS_NOW = "local t = redis.call('TIME')\nlocal now = tonumber(t[1]) + tonumber(t[2]) / 1000000\n"
 
 # KEYS: live, records. ARGV: name, record JSON, ttl seconds, events channel.
-_UPSERT = _Script(_NOW + """
+_UPSERT = Script(REDIS_NOW + """
 local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. now, 'LIMIT', 0, 100)
 if #expired > 0 then
   redis.call('ZREM', KEYS[1], unpack(expired))
@@ -104,7 +104,7 @@ return added
 
 # KEYS: live, records. ARGV: name, record JSON, events channel. Removes the record only if it is still ours (a
 # replica restarted under the same name may have replaced it).
-_WITHDRAW = _Script("""
+_WITHDRAW = Script("""
 local current = redis.call('HGET', KEYS[2], ARGV[1])
 if current and current ~= ARGV[2] then return 0 end
 redis.call('ZREM', KEYS[1], ARGV[1])
@@ -114,7 +114,7 @@ return 1
 """)
 
 # KEYS: live, records. Returns the JSON of every member whose expiry is still ahead.
-_SNAPSHOT = _Script(_NOW + """
+_SNAPSHOT = Script(REDIS_NOW + """
 local names = redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')
 local out = {}
 for i = 1, #names, 500 do
@@ -127,7 +127,7 @@ return out
 """)
 
 
-async def _run_script(redis, script: _Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+async def run_script(redis, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
     try:
         return await redis.evalsha(script.sha, len(keys), *keys, *args)
     except NoScriptError:  # a restarted or failed-over server: EVAL runs it and caches it again
@@ -142,7 +142,7 @@ def _raise_if_cancelled() -> None:
         raise asyncio.CancelledError
 
 
-class _Outage:
+class Outage:
     """Logs the first failure of a run of failures and the recovery, not every retry."""
 
     def __init__(self, what: str) -> None:
@@ -173,7 +173,7 @@ class ReplicaAnnouncer:
         self.ttl_s, self.heartbeat_s = ttl_s, heartbeat_s
         self._lock = asyncio.Lock()
         self._withdrawn = False
-        self._outage = _Outage(f"replica registry ({record.name})")
+        self._outage = Outage(f"replica registry ({record.name})")
 
     async def run(self) -> None:
         """Upserts the record every heartbeat_s until cancelled or withdrawn; Redis failures wait for the next beat."""
@@ -200,7 +200,7 @@ class ReplicaAnnouncer:
             log.info("replica %s withdrawn from the registry", self.record.name)
         return written
 
-    async def _write(self, script: _Script, *extra: str, final: bool = False) -> bool:
+    async def _write(self, script: Script, *extra: str, final: bool = False) -> bool:
         async with self._lock:
             if self._withdrawn:
                 return False
@@ -209,7 +209,7 @@ class ReplicaAnnouncer:
             args = [self.record.name, self.record.to_json(), *extra]
             try:
                 async with asyncio.timeout(self.heartbeat_s):
-                    await _run_script(self.redis, script, [self.keys.live, self.keys.records], args)
+                    await run_script(self.redis, script, [self.keys.live, self.keys.records], args)
             except REDIS_FAILURES as e:
                 self._outage.failed(e)
                 return False
@@ -225,11 +225,11 @@ class ReplicaRegistry:
             raise ValueError(f"poll_s must be positive, got {poll_s}")
         self.redis, self.keys, self.poll_s = redis, RegistryKeys.under(prefix), poll_s
         self.known: dict[str, ReplicaRecord] = {}  # the live set as of watch()'s last successful poll
-        self._outage = _Outage("replica registry watch")
+        self._outage = Outage("replica registry watch")
 
     async def snapshot(self) -> list[ReplicaRecord]:
         """The live (unexpired) records, sorted by name. Raises Redis's errors; unreadable records are skipped."""
-        raws = await _run_script(self.redis, _SNAPSHOT, [self.keys.live, self.keys.records], [])
+        raws = await run_script(self.redis, _SNAPSHOT, [self.keys.live, self.keys.records], [])
         records = []
         for raw in raws:
             try:

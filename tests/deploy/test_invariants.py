@@ -14,6 +14,7 @@ import pytest
 from tests.deploy.manifests import (EXAMPLE_SECRET, BadArguments, Obj, containers, deployments_of, example_secret,
                                     find, labels_match, mounted_configmap_file, objects, of_kind, parse_tokenfleet,
                                     pod_spec, prestop_seconds, probe_port, pvc_mounts, sample_env)
+from tokenfleet.autoscale.signals import pool_key
 from tokenfleet.config import FleetConfig
 
 DRAIN_MARGIN_S = 10  # grace period left after preStop + drain: the process still has to exit
@@ -306,3 +307,17 @@ def test_every_replica_pool_scales_on_the_autoscaler_decision(deployment, contai
     fallback = spec.get("fallback")
     assert fallback is not None, "without a fallback a Prometheus outage freezes or misleads scaling"
     assert low <= fallback["replicas"] <= high
+
+
+@pytest.mark.parametrize("deployment, container", REPLICAS, ids=ids(REPLICAS))
+def test_the_gateways_export_the_decision_the_scaledobject_follows(deployment, container, tmp_path, monkeypatch):
+    """Without `autoscale: {enabled: true}` no gateway exports the metric, and the ScaledObject sits in fallback."""
+    settings = gateway_fleet(tmp_path, monkeypatch).autoscale
+    assert settings.enabled, f"fleet.yaml must enable autoscale: the ScaledObject scales on {DESIRED_METRIC}"
+    assert settings.orchestrator == "none", "in Kubernetes KEDA starts and stops replicas, not the gateways"
+    args = parse_tokenfleet(container)
+    pool = settings.pool(pool_key(args.served_model_name, args.pool), args.served_model_name)
+    spec = scaled_objects_for(deployment)[0].doc["spec"]
+    assert (pool.min_replicas, pool.max_replicas) == (spec.get("minReplicaCount", 0),
+                                                      spec.get("maxReplicaCount", 100)), \
+        "the pool's min_replicas/max_replicas must equal the ScaledObject's minReplicaCount/maxReplicaCount"

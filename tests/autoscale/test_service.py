@@ -36,13 +36,16 @@ class Stub:
 
 class FakeOrchestrator:
     def __init__(self, owned: dict[str, float]) -> None:
-        self._owned, self.started, self.stopped, self.launching = owned, [], [], {}
+        self._owned, self.started, self.stopped, self.launching, self.halting = owned, [], [], {}, {}
 
     def starting(self) -> dict[str, int]:
         return dict(self.launching)
 
     def owned(self) -> dict[str, float]:
         return dict(self._owned)
+
+    def stopping(self) -> dict[str, int]:
+        return dict(self.halting)
 
     async def poll(self) -> None:
         pass
@@ -135,6 +138,23 @@ async def test_the_service_drains_removes_and_starts_through_the_router_and_the_
                  'tokenfleet_autoscale_batch_tokens_per_second{model="code",pool="default"} 0.0',
                  'tokenfleet_autoscale_scale_events_total{direction="up",model="code",pool="default"} 1.0'):
         assert line in text, line
+
+
+async def test_a_stopping_replica_holds_its_machine_under_a_budget(demo_model_dir):
+    """Removed from the router and sent SIGTERM, a replica still holds its GPU until its process exits: under a
+    shared budget nothing starts in its place until then."""
+    gateway, config = fleet(demo_model_dir, budget=4)
+    service = add_autoscaler(gateway, config)
+    orchestrator = service.orchestrator = FakeOrchestrator({"a": 1.0, "b": 2.0, "c": 3.0})
+    orchestrator.halting = {"chat/default": 1}  # 2 + 1 in the router, 1 stopping: the budget of 4 is used up
+    for name in ("a", "b"):
+        set_load(gateway, "chat", name, running=6)  # 12 in flight at 4 a replica: chat wants 3
+    decisions = await service.step()
+    assert service.signals["chat/default"].occupied == 3 and decisions["chat/default"].desired == 3
+    assert decisions["chat/default"].start == 0 and orchestrator.started == []
+    orchestrator.halting = {}  # its process exited
+    decisions = await service.step()
+    assert orchestrator.started == [("chat", "default", 1)]
 
 
 async def test_without_an_orchestrator_it_only_decides_and_exports(demo_model_dir):

@@ -23,6 +23,8 @@ class Orchestrator(Protocol):
 
     def owned(self) -> dict[str, float]: ...
 
+    def stopping(self) -> dict[str, int]: ...
+
     async def poll(self) -> None: ...
 
     async def start(self, model: str, region: str, count: int) -> None: ...
@@ -58,8 +60,8 @@ class AutoscaleService:
         shares = self.reader.shares(now)
         if self.shared is not None:
             shares = await self.shared.total(shares)
-        signals = self.reader.read(shares, orchestrator.starting() if orchestrator else None,
-                                   orchestrator.owned() if orchestrator else None)
+        signals = self.reader.read(shares, *((orchestrator.starting(), orchestrator.owned(), orchestrator.stopping())
+                                             if orchestrator else ()))
         decisions = self.policy.decide(now, signals)
         self._record(decisions)
         self.signals, self.decisions = signals, decisions

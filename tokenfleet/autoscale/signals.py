@@ -62,6 +62,7 @@ class PoolSignals:
     arrival_rate: float = 0.0  # interactive requests/s, smoothed
     replicas: list[ReplicaSignals] = field(default_factory=list)  # optional: without them nothing is drained
     unavailable: int = 0  # in the pool but neither ready nor draining (ejected by health checks)
+    stopping: int = 0  # stopped by the orchestrator: out of the router, its process still running
     prefill_tokens_per_s: float = 0.0  # one replica's prefill rate (0: unknown)
 
     @property
@@ -71,7 +72,7 @@ class PoolSignals:
     @property
     def occupied(self) -> int:
         """Replicas that hold a machine now, for a shared budget."""
-        return self.ready + self.starting + self.draining + self.unavailable
+        return self.ready + self.starting + self.draining + self.unavailable + self.stopping
 
 
 class RateMeter:
@@ -198,18 +199,19 @@ class GatewaySignals:
         return out
 
     def read(self, shares: Mapping[str, GatewayShare], starting: Mapping[str, int] | None = None,
-             owned: Mapping[str, float] | None = None) -> dict[str, PoolSignals]:
+             owned: Mapping[str, float] | None = None,
+             stopping: Mapping[str, int] | None = None) -> dict[str, PoolSignals]:
         """`shares`: pool key -> the gateways' share (this one's, or every live gateway's added up); `starting`:
         pool key -> replicas launched and not yet in the router; `owned`: replica name -> start time, for the
-        replicas the orchestrator can stop."""
-        starting, out = starting or {}, {}
+        replicas the orchestrator can stop; `stopping`: pool key -> replicas stopped whose process still runs."""
+        starting, stopping, out = starting or {}, stopping or {}, {}
         for model, pools in self.router.models.items():
-            for region in regions(pools, starting):
+            for region in regions(pools, {**stopping, **starting}):
                 key = pool_key(model, region)
                 members = [r for r in pools.replicas.values() if r.pool == region]
                 signals = pool_signals(key, replica_signals(members, pools.health, owned or {}), shares.get(key),
                                        self.prefill_tokens_per_s, starting.get(key, 0))
-                signals.model, signals.region = model, region
+                signals.model, signals.region, signals.stopping = model, region, stopping.get(key, 0)
                 out[key] = signals
         return out
 

@@ -83,6 +83,11 @@ class Fleet:
         self.requests_seen = 0  # every turn that arrived, warm-up included
         self.max_level = 0
         self.level_seconds = [0.0] * 5
+        # replicas over the run (autoscaling adds and removes them): the report counts removed ones too
+        self.removed: list[SimReplica] = []
+        self.joined_at: dict[str, float] = {}  # when a replica added during the run joined (else: 0)
+        self.removed_at: dict[str, float] = {}
+        self.peak_replicas = s.replicas
 
     @property
     def end_s(self) -> float:
@@ -110,6 +115,10 @@ class Fleet:
             del self.conversations[conv.cid]
             return
         self.requests_seen += 1
+        if sreq.status == "length":  # prompt + answer exceed max_model_len: the gateway's 400, arrived and refused
+            self.metrics.too_long(sreq)
+            del self.conversations[conv.cid]
+            return
         self.metrics.arrived(sreq)
         if len(sreq.prompt) + sreq.max_tokens > self.capacity_tokens:
             self._refused(sreq, conv, "rejected")
@@ -199,6 +208,8 @@ class Fleet:
         self._next_replica += 1
         self.replicas.append(replica)
         self.by_name[replica.name] = replica
+        self.joined_at[replica.name] = self.clock.now
+        self.peak_replicas = max(self.peak_replicas, len(self.replicas))
         self._serving_changed()
         return replica
 
@@ -220,9 +231,23 @@ class Fleet:
             raise ValueError(f"replica {name} must be drained and idle before it is removed")
         replica = self.by_name.pop(name)
         self.replicas.remove(replica)
+        self.removed.append(replica)  # its steps, preemptions and busy time still count in the report
+        self.removed_at[name] = self.clock.now
         self.draining.discard(name)
         self._serving_changed()
         return replica
+
+    @property
+    def all_replicas(self) -> list[SimReplica]:
+        """Every replica of the run: those removed by the autoscaler, then those still here."""
+        return self.removed + self.replicas
+
+    def replica_seconds(self) -> float:
+        """Seconds replicas were part of the fleet (from joining to removal, or to now), all replicas together."""
+        now = self.clock.now
+        if not self.removed and not self.joined_at:  # a fixed fleet
+            return len(self.replicas) * now
+        return sum(self.removed_at.get(r.name, now) - self.joined_at.get(r.name, 0.0) for r in self.all_replicas)
 
     def _serving_changed(self) -> None:
         self.states = [r.state for r in self.replicas if r.name not in self.draining]

@@ -1,5 +1,6 @@
 """What a run measures: per tier, TTFT and inter-token latency distributions, goodput under SLOs, and counts of
-what happened to requests (completed, cancelled, shed, refused by quota, delayed in the fair queue)."""
+what happened to requests (completed, cancelled, shed, refused by quota or for length, rejected, delayed in the
+fair queue)."""
 from __future__ import annotations
 
 import math
@@ -73,6 +74,7 @@ class TierMetrics:
     shed: int = 0  # the overload ladder's 429
     quota: int = 0  # refused by the token quota
     rejected: int = 0  # could never run (too long for the replica's KV cache)
+    length: int = 0  # refused by the gateway: prompt + answer exceed the model's max_model_len
     delayed: int = 0  # waited in the dispatcher's fair queue before reaching a replica
     good: int = 0  # completed within the SLO
     good_tokens: int = 0
@@ -109,6 +111,14 @@ class Metrics:
         if self.counts(sreq):
             m = self.tier(sreq.tier)
             setattr(m, status, getattr(m, status) + 1)
+
+    def too_long(self, sreq: SimRequest) -> None:
+        """A turn that arrived and was refused at once: prompt + answer exceed max_model_len (the gateway's 400)."""
+        sreq.status = "length"
+        if self.counts(sreq):
+            m = self.tier(sreq.tier)
+            m.arrived += 1
+            m.length += 1
 
     def ended(self, sreq: SimRequest) -> None:
         if not self.counts(sreq):

@@ -144,7 +144,9 @@ class Workload:
                             self.systems[system], self._system_hashes[system])
 
     def next_turn(self, conv: Conversation, now: float, priority: int) -> SimRequest | None:
-        """The conversation's next request, or None when it is over (all turns done, or the context is full)."""
+        """The conversation's next request, or None when it is over (all turns done). A turn whose prompt and answer
+        do not fit max_model_len comes back with status "length": the gateway refuses it (400
+        context_length_exceeded), and the conversation ends there."""
         spec, rng = self.spec, conv.rng
         if conv.turn >= conv.turns:
             return None
@@ -154,7 +156,10 @@ class Workload:
         base = (conv.cid * 256 + conv.turn) * 2 << 16
         prompt = conv.history + list(range(base, base + user_n))
         if len(prompt) + out_n > spec.max_model_len:
-            return None
+            refused = SimRequest(f"c{conv.cid}t{conv.turn}", conv.tier, conv.tenant, conv.user, priority, prompt, [],
+                                 [], now, conversation=conv.cid, turn=conv.turn, max_tokens=out_n, status="length")
+            conv.turn = conv.turns
+            return refused
         output = list(range(base + (1 << 16), base + (1 << 16) + out_n))
         known = len(conv.history_hashes) * self.block_size  # the history's blocks have their keys already
         hashes = block_keys(prompt[known:] + output, self.block_size, conv.history_hashes)

@@ -7,6 +7,7 @@ Three layouts: a fixed fleet (`fleet.replicas`), one whose size the project's au
 read the same file (bench/sim_experiments.py)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,11 +21,11 @@ from tokenfleet.sim.autoscaling import POOL, ScalingSetup
 from tokenfleet.sim.cost_model import CostModel, StepCoefficients, kv_cache_blocks, roofline
 from tokenfleet.sim.disagg import DisaggFleet, DisaggSpec
 from tokenfleet.sim.fleet import POLICIES, Fleet, FleetSetup
-from tokenfleet.sim.hardware import GB, hardware
+from tokenfleet.sim.hardware import GB, Hardware, hardware
 from tokenfleet.sim.metrics import Slo
 from tokenfleet.sim.models import ModelShape, dtype_bytes, model_shape
 from tokenfleet.sim.replica import ReplicaSpec
-from tokenfleet.sim.workload import Burst, WorkloadSpec
+from tokenfleet.sim.workload import REAL, TIERS, WHOLE, Burst, WorkloadSpec
 
 TOP = {"seed", "duration_s", "warmup_s", "drain_s", "fleet", "engine", "routing", "workload", "gateway", "slo",
        "autoscale", "disagg", "experiment"}
@@ -96,11 +97,45 @@ def _keys(raw: dict | None, known: set[str], where: str) -> dict:
     return raw
 
 
+def _number(value, where: str, integer: bool = False, low: float | None = None, high: float | None = None,
+            above: bool = False, below: bool = False):
+    """`value` as a finite number (a whole one when `integer`) from `low` to `high` (excluded when `above` /
+    `below`), else a ValueError naming `where`. PyYAML reads 1e6 and 8.0e9 as strings (YAML 1.1): a string that
+    float() reads is that number."""
+    number = value
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            pass
+    if integer and isinstance(number, float) and number.is_integer():
+        number = int(number)
+    ok = not isinstance(number, bool) and (
+        isinstance(number, int) or not integer and isinstance(number, float) and math.isfinite(number))
+    if ok and low is not None:
+        ok = number > low if above else number >= low
+    if ok and high is not None:
+        ok = number < high if below else number <= high
+    if not ok:
+        kind = "a whole number" if integer else "a finite number"
+        if low is not None and high is not None:
+            bound = f" in {'(' if above else '['}{low}, {high}{')' if below else ']'}"
+        elif low is not None:
+            bound = f" {'>' if above else '>='} {low}"
+        else:
+            bound = ""
+        raise ValueError(f"{where} must be {kind}{bound}, got {value!r}")
+    return number
+
+
 def _positive(value, where: str, integer: bool = False, zero: bool = False):
-    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok or not (value >= 0 if zero else value > 0):
-        kind = "a whole number" if integer else "a number"
-        raise ValueError(f"{where} must be {kind} {'>= 0' if zero else '> 0'}, got {value!r}")
+    return _number(value, where, integer, low=0, above=not zero)
+
+
+def _flag(value, where: str) -> bool:
+    """A YAML boolean (true / false): bool("false") would be True."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{where} must be true or false, got {value!r}")
     return value
 
 
@@ -123,14 +158,15 @@ def parse(raw: dict, seed: int | None = None) -> FleetSetup:
     return FleetSetup(
         replicas=_positive(fleet.get("replicas", 1), "fleet.replicas", integer=True), spec=spec, cost=cost,
         workload=workload, tiers=default_tiers(), slo=_slo(raw.get("slo")), duration_s=float(duration),
-        seed=int(raw.get("seed", 0) if seed is None else seed), warmup_s=float(warmup),
+        seed=_number(raw.get("seed", 0), "seed", integer=True) if seed is None else seed, warmup_s=float(warmup),
         drain_s=float(_positive(raw.get("drain_s", 120), "drain_s", zero=True)), policy=policy,
-        load_bound=float(routing.get("load_bound", 1.25)), affinity=bool(routing.get("affinity", True)),
+        load_bound=float(_number(routing.get("load_bound", 1.25), "routing.load_bound", low=1)),
+        affinity=_flag(routing.get("affinity", True), "routing.affinity"),
         overload=section(OverloadSettings, gateway.get("overload"), "gateway.overload"),
         slots_per_replica=_positive(gateway.get("slots_per_replica", 256), "gateway.slots_per_replica", True),
         quantum_tokens=_positive(gateway.get("quantum_tokens", 2048), "gateway.quantum_tokens", True),
         load_interval_s=float(_positive(gateway.get("load_interval_s", 1.0), "gateway.load_interval_s")),
-        quota=bool(gateway.get("quota", True)), fast=bool(engine.get("fast", True)),
+        quota=_flag(gateway.get("quota", True), "gateway.quota"), fast=_flag(engine.get("fast", True), "engine.fast"),
         gpus_per_replica=describe["tensor_parallel"], kv_bytes_per_token=model.kv_bytes_per_token(describe["kv_dtype"]),
         describe=describe)
 
@@ -157,7 +193,7 @@ def _disagg(raw, setup: FleetSetup) -> DisaggSpec:
         _positive(raw["decode_replicas"], "disagg.decode_replicas", integer=True),
         setup.kv_bytes_per_token,
         float(_positive(raw.get("link_gb_per_s", 50), "disagg.link_gb_per_s")) * GB,
-        float(_positive(raw.get("link_efficiency", 0.8), "disagg.link_efficiency")),
+        float(_number(raw.get("link_efficiency", 0.8), "disagg.link_efficiency", low=0, high=1, above=True)),
         float(_positive(raw.get("transfer_latency_s", 0.002), "disagg.transfer_latency_s", zero=True)),
         None if budget is None else _positive(budget, "disagg.prefill_batched_tokens", integer=True))
     if setup.workload.cancel_probability > 0:
@@ -170,30 +206,46 @@ def _model(raw) -> ModelShape:
         return model_shape(raw)
     raw = _keys(raw, {"name", "params", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
                       "max_model_len"}, "fleet.model")
+    raw = {k: v if k == "name" else _positive(v, f"fleet.model.{k}", integer=k != "params") for k, v in raw.items()}
     try:
         return ModelShape(**{"name": "custom", **raw})
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise ValueError(f"fleet.model: {e}") from None
 
 
 def _replica(fleet: dict, engine: dict, model: ModelShape) -> tuple[ReplicaSpec, CostModel, dict]:
     gpu = hardware(str(fleet.get("gpu", "h100")))
-    overrides = fleet.get("hardware") or {}
+    overrides = fleet.get("hardware")
+    overrides = {} if overrides is None else overrides
     if not isinstance(overrides, dict):
-        raise ValueError("fleet.hardware must be a mapping of hardware settings")
-    gpu = gpu.with_overrides(**overrides)
-    tp = fleet.get("tensor_parallel", 1)
+        raise ValueError(f"fleet.hardware must be a mapping of hardware settings, got {overrides!r}")
+    overrides = {k: _number(v, f"fleet.hardware.{k}", integer=k == "max_tp")
+                 if k in Hardware.__dataclass_fields__ and k != "name" else v for k, v in overrides.items()}
+    try:
+        gpu = gpu.with_overrides(**overrides)  # checks the values (division by zero, shares above 1)
+    except ValueError as e:
+        raise ValueError(f"fleet.hardware: {e}") from None
+    tp = _number(fleet.get("tensor_parallel", 1), "fleet.tensor_parallel", integer=True)
     weight_dtype, kv_dtype = str(fleet.get("weight_dtype", "fp8")), str(fleet.get("kv_dtype", "fp16"))
     dtype_bytes(weight_dtype), dtype_bytes(kv_dtype)
     block_size = _positive(engine.get("block_size", 16), "engine.block_size", integer=True)
-    blocks = kv_cache_blocks(model, gpu, weight_dtype, kv_dtype, tp, block_size)  # also checks tp and the fit
+    try:
+        blocks = kv_cache_blocks(model, gpu, weight_dtype, kv_dtype, tp, block_size)  # also checks tp and the fit
+    except ValueError as e:
+        raise ValueError(f"fleet: {e}") from None
     if "num_blocks" in engine:
         blocks = _positive(engine["num_blocks"], "engine.num_blocks", integer=True)
+        one_sequence = -(-model.max_model_len // block_size)
+        if blocks < one_sequence:
+            raise ValueError(f"engine.num_blocks must be at least {one_sequence}: one {model.max_model_len}-token "
+                             f"sequence needs {one_sequence} blocks of {block_size} tokens, got {blocks}")
     cost = fleet.get("cost")
     if cost is not None:
+        cost = _keys(cost, set(StepCoefficients.__dataclass_fields__), "fleet.cost")
+        cost = {k: v if k == "combine" else _number(v, f"fleet.cost.{k}", low=0) for k, v in cost.items()}
         try:
-            coefficients = StepCoefficients(**_keys(cost, set(StepCoefficients.__dataclass_fields__), "fleet.cost"))
-        except TypeError as e:
+            coefficients = StepCoefficients(**cost)
+        except (TypeError, ValueError) as e:
             raise ValueError(f"fleet.cost: {e}") from None
     else:
         coefficients = roofline(model, gpu, weight_dtype, kv_dtype, tp, block_size)
@@ -205,12 +257,14 @@ def _replica(fleet: dict, engine: dict, model: ModelShape) -> tuple[ReplicaSpec,
                                          "engine.max_num_batched_tokens", integer=True),
         swap_threshold_tokens=_positive(engine.get("swap_threshold_tokens", 512), "engine.swap_threshold_tokens",
                                         integer=True, zero=True))
-    watermark = float(engine.get("watermark", 0.01))
-    if not 0 <= watermark < 1:
-        raise ValueError(f"engine.watermark must be in [0, 1), got {watermark}")
-    spec = ReplicaSpec(blocks, block_size, host_blocks, watermark, bool(engine.get("enable_prefix_caching", True)),
+    watermark = float(_number(engine.get("watermark", 0.01), "engine.watermark", low=0, high=1, below=True))
+    spec = ReplicaSpec(blocks, block_size, host_blocks, watermark,
+                       _flag(engine.get("enable_prefix_caching", True), "engine.enable_prefix_caching"),
                        model.max_model_len, scheduler)
     cost_model = CostModel(coefficients)
+    if not cost_model.prefill_time(2048) > 0:  # the fleet's prefill rate is 2048 tokens / this
+        raise ValueError("fleet.cost: a 2048-token prefill takes no time with these coefficients; give overhead_s, "
+                         "per_token_s or weights_s a value > 0")
     describe = {"model": model.name, "gpu": gpu.name, "tensor_parallel": tp, "weight_dtype": weight_dtype,
                 "kv_dtype": kv_dtype, "kv_cache_tokens_per_replica": blocks * block_size,
                 "weights_gb": round(model.weight_bytes(weight_dtype) / GB, 1),
@@ -220,6 +274,8 @@ def _replica(fleet: dict, engine: dict, model: ModelShape) -> tuple[ReplicaSpec,
 
 
 def _workload(raw: dict | None, max_model_len: int) -> WorkloadSpec:
+    if raw is not None and not isinstance(raw, dict):
+        raise ValueError("workload must be a mapping")
     raw = dict(raw or {})
     bursts = raw.pop("bursts", None) or []
     if not isinstance(bursts, list):
@@ -227,13 +283,27 @@ def _workload(raw: dict | None, max_model_len: int) -> WorkloadSpec:
     parsed = []
     for i, b in enumerate(bursts):
         b = _keys(b, {"at_s", "duration_s", "multiplier"}, f"workload.bursts[{i}]")
-        try:
-            parsed.append(Burst(float(b["at_s"]), float(b["duration_s"]), float(b["multiplier"])))
-        except KeyError as e:
-            raise ValueError(f"workload.bursts[{i}]: missing {e.args[0]}") from None
+        missing = sorted({"at_s", "duration_s", "multiplier"} - set(b))
+        if missing:
+            raise ValueError(f"workload.bursts[{i}]: missing {', '.join(missing)}")
+        where = f"workload.bursts[{i}]"
+        parsed.append(Burst(float(_positive(b["at_s"], f"{where}.at_s", zero=True)),
+                            float(_positive(b["duration_s"], f"{where}.duration_s")),
+                            float(_positive(b["multiplier"], f"{where}.multiplier", zero=True))))
     if "tiers" in raw and not isinstance(raw["tiers"], dict):
         raise ValueError("workload.tiers must map tier names to shares")
-    raw.setdefault("max_model_len", max_model_len)
+    for name in set(WHOLE) & set(raw):  # the types here (YAML's 1e6 is a string); the ranges in WorkloadSpec
+        raw[name] = _number(raw[name], f"workload.{name}", integer=True)
+    for name in set(REAL) & set(raw):
+        raw[name] = _number(raw[name], f"workload.{name}")
+    if "tiers" in raw:
+        raw["tiers"] = {t: _positive(v, f"workload.tiers.{t}", zero=True) for t, v in raw["tiers"].items()}
+    tokens = raw.get("system_prompt_tokens")
+    if isinstance(tokens, list):
+        raw["system_prompt_tokens"] = [_number(t, "workload.system_prompt_tokens", integer=True) for t in tokens]
+    if raw.setdefault("max_model_len", max_model_len) > max_model_len:
+        raise ValueError(f"workload.max_model_len must be at most the model's context, {max_model_len} tokens, "
+                         f"got {raw['max_model_len']}")
     workload = section(WorkloadSpec, raw, "workload")
     return WorkloadSpec(**{**{f: getattr(workload, f) for f in WorkloadSpec.__dataclass_fields__},
                            "bursts": tuple(parsed)})
@@ -246,5 +316,7 @@ def _slo(raw: dict | None) -> Slo:
     if not isinstance(given, dict):
         raise ValueError("slo.ttft_s must map tiers to seconds")
     for tier, value in given.items():
+        if tier not in TIERS:
+            raise ValueError(f"slo.ttft_s: unknown tier {tier!r}; known: {', '.join(TIERS)}")
         ttft[tier] = float(_positive(value, f"slo.ttft_s.{tier}"))
     return Slo(ttft, float(_positive(raw.get("tpot_s", 0.1), "slo.tpot_s")))

@@ -9,6 +9,7 @@ Everything reduces to a handful of coefficients (StepCoefficients), which a cali
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from tokenfleet.sim.hardware import Hardware
@@ -60,9 +61,10 @@ class StepCoefficients:
     def __post_init__(self) -> None:
         if self.combine not in ("max", "sum"):
             raise ValueError(f"combine must be max or sum, got {self.combine!r}")
-        negative = [k for k, v in asdict(self).items() if k != "combine" and v < 0]
-        if negative:
-            raise ValueError(f"cost coefficients must be >= 0: {', '.join(negative)}")
+        bad = [k for k, v in asdict(self).items() if k != "combine" and not (
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0)]
+        if bad:
+            raise ValueError(f"cost coefficients must be finite numbers >= 0: {', '.join(bad)}")
 
 
 class CostModel:
@@ -165,6 +167,8 @@ def check_tp(model: ModelShape, hw: Hardware, tp: int) -> None:
         raise ValueError(f"tensor_parallel must be a power of two >= 1, got {tp!r}")
     if tp > hw.max_tp:
         raise ValueError(f"tensor_parallel {tp} is more than the {hw.max_tp} GPUs of one {hw.name} node")
-    if model.num_heads % tp or (model.num_kv_heads % tp and tp % model.num_kv_heads):
+    # each GPU holds whole KV heads (kv_cache_blocks splits the KV cache over the GPUs; replicated heads are not
+    # modelled), so tensor_parallel may not exceed num_kv_heads
+    if model.num_heads % tp or model.num_kv_heads % tp:
         raise ValueError(f"{model.name}: {model.num_heads} attention heads / {model.num_kv_heads} KV heads do not "
-                         f"split over tensor_parallel {tp}")
+                         f"split over tensor_parallel {tp} (it must divide both)")

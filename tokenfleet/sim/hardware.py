@@ -6,7 +6,8 @@ constants a calibration replaces, not measurements of this repository.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass, fields, replace
 
 GB = 1e9
 TERA = 1e12
@@ -31,6 +32,19 @@ class Hardware:
     activation_reserve_bytes: float = 4 * GB  # per GPU: activations, CUDA graphs, workspace
     max_tp: int = 8  # GPUs per node joined by the fast link
 
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name == "name":
+                continue
+            value, (low, high) = getattr(self, f.name), RANGES.get(f.name, (">", None))
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            ok = number and math.isfinite(value) and (value > 0 if low == ">" else value >= 0) and (
+                high is None or value <= high) and (f.name != "max_tp" or isinstance(value, int))
+            if not ok:
+                kind = "a whole number" if f.name == "max_tp" else "a finite number"
+                bound = f"in (0, {high}]" if high else f"{low} 0"  # every share is > 0
+                raise ValueError(f"{f.name} must be {kind} {bound}, got {value!r}")
+
     def flops(self, weight_dtype: str) -> float:
         return self.flops_fp8 if weight_dtype == "fp8" else self.flops_fp16
 
@@ -38,7 +52,13 @@ class Hardware:
         unknown = sorted(set(changes) - set(self.__dataclass_fields__))
         if unknown:
             raise ValueError(f"unknown hardware setting(s) {', '.join(unknown)}")
-        return replace(self, **changes)
+        return replace(self, **changes)  # __post_init__ checks the values
+
+
+# what each setting may be: > 0 (the default: rates, sizes, divisors) or >= 0, and at most `high` (shares)
+RANGES = {"allreduce_latency_s": (">=", None), "step_overhead_s": (">=", None), "per_sequence_s": (">=", None),
+          "activation_reserve_bytes": (">=", None), "mfu": (">", 1), "attention_mfu": (">", 1),
+          "bandwidth_efficiency": (">", 1), "link_efficiency": (">", 1), "memory_utilization": (">", 1)}
 
 
 HARDWARE: dict[str, Hardware] = {

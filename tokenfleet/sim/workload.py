@@ -16,6 +16,19 @@ TIERS = ("enterprise", "paid", "free", "batch")
 SYSTEM_TOKEN_BASE = 1 << 40  # synthetic token ids: system prompts here, everything else from a counter below
 
 
+WHOLE = ("orgs_per_tier", "users_per_org", "system_prompts", "max_output_tokens", "max_model_len")
+REAL = ("rate", "diurnal_amplitude", "diurnal_period_s", "peak_at_s", "user_tokens_mean", "output_tokens_mean",
+        "length_sigma", "turns_mean", "think_time_s", "cancel_probability", "batch_prompt_tokens_mean")
+
+
+def _finite(value) -> bool:
+    return not isinstance(value, bool) and (isinstance(value, int) or isinstance(value, float) and math.isfinite(value))
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class Burst:
     at_s: float
@@ -46,6 +59,12 @@ class WorkloadSpec:
     max_model_len: int = 8192
 
     def __post_init__(self) -> None:
+        for name in WHOLE:
+            if not _whole(getattr(self, name)):
+                raise ValueError(f"{name} must be a whole number, got {getattr(self, name)!r}")
+        for name in REAL:
+            if not _finite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
         numbers = {"rate": self.rate, "orgs_per_tier": self.orgs_per_tier, "users_per_org": self.users_per_org,
                    "system_prompts": self.system_prompts, "user_tokens_mean": self.user_tokens_mean,
                    "output_tokens_mean": self.output_tokens_mean, "turns_mean": self.turns_mean,
@@ -53,30 +72,35 @@ class WorkloadSpec:
                    "batch_prompt_tokens_mean": self.batch_prompt_tokens_mean}
         bad = [k for k, v in numbers.items() if not v > 0]
         if bad:
-            raise ValueError(f"workload: {', '.join(bad)} must be positive")
+            raise ValueError(f"{', '.join(bad)} must be positive")
         if self.turns_mean < 1:
-            raise ValueError("workload: turns_mean must be at least 1")
+            raise ValueError("turns_mean must be at least 1")
         if not 0 <= self.diurnal_amplitude <= 1:
-            raise ValueError("workload: diurnal_amplitude must be in [0, 1]")
+            raise ValueError("diurnal_amplitude must be in [0, 1]")
         if not 0 <= self.cancel_probability <= 1:
-            raise ValueError("workload: cancel_probability must be in [0, 1]")
+            raise ValueError("cancel_probability must be in [0, 1]")
         if self.think_time_s < 0 or self.length_sigma < 0:
-            raise ValueError("workload: think_time_s and length_sigma must be >= 0")
+            raise ValueError("think_time_s and length_sigma must be >= 0")
         self._check_tiers()
-        for b in self.bursts:
-            if b.duration_s <= 0 or b.multiplier < 0 or b.at_s < 0:
-                raise ValueError("workload: a burst needs at_s >= 0, duration_s > 0 and multiplier >= 0")
-        low, high = self.system_prompt_tokens
+        for i, b in enumerate(self.bursts):
+            if not all(_finite(v) for v in (b.at_s, b.duration_s, b.multiplier)) or (
+                    b.duration_s <= 0 or b.multiplier < 0 or b.at_s < 0):
+                raise ValueError(f"bursts[{i}]: a burst needs finite numbers at_s >= 0, duration_s > 0 and "
+                                 f"multiplier >= 0, got {b}")
+        tokens = self.system_prompt_tokens
+        if not (isinstance(tokens, (tuple, list)) and len(tokens) == 2 and all(_whole(t) for t in tokens)):
+            raise ValueError(f"system_prompt_tokens must be [low, high], two whole numbers, got {tokens!r}")
+        low, high = tokens
         if not 0 < low <= high or high + self.max_output_tokens >= self.max_model_len:
-            raise ValueError("workload: system_prompt_tokens must be [low, high] with 0 < low <= high and room for "
+            raise ValueError("system_prompt_tokens must be [low, high] with 0 < low <= high and room for "
                              "max_output_tokens within the model's context")
 
     def _check_tiers(self) -> None:
         unknown = sorted(set(self.tiers) - set(TIERS))
         if unknown:
-            raise ValueError(f"workload: unknown tier(s) {', '.join(unknown)}; known: {', '.join(TIERS)}")
-        if any(not w >= 0 for w in self.tiers.values()) or not sum(self.tiers.values()) > 0:
-            raise ValueError("workload: tier shares must be >= 0 and not all zero")
+            raise ValueError(f"unknown tier(s) {', '.join(unknown)}; known: {', '.join(TIERS)}")
+        if any(not (_finite(w) and w >= 0) for w in self.tiers.values()) or not sum(self.tiers.values()) > 0:
+            raise ValueError(f"tiers: shares must be finite numbers >= 0 and not all zero, got {self.tiers}")
 
     def rate_at(self, t: float) -> float:
         """Requests per second at simulated time t."""

@@ -67,8 +67,8 @@ def _nothing_dropped(run: ScaledFleet) -> None:
     assert len(fleet.conversations) == queued + running
     assert all(c.tier == "batch" for c in fleet.conversations.values())
     total = fleet.metrics.totals()
-    assert total.arrived == (total.completed + total.cancelled + total.shed + total.quota + total.rejected + queued
-                             + running)
+    assert total.arrived == (total.completed + total.cancelled + total.shed + total.quota + total.length
+                             + total.rejected + queued + running)
     assert all(r.state.in_flight == 0 and not r.has_work() for r in fleet.replicas) or running
 
 

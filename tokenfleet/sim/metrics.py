@@ -114,11 +114,8 @@ class Metrics:
 
     def too_long(self, sreq: SimRequest) -> None:
         """A turn that arrived and was refused at once: prompt + answer exceed max_model_len (the gateway's 400)."""
-        sreq.status = "length"
-        if self.counts(sreq):
-            m = self.tier(sreq.tier)
-            m.arrived += 1
-            m.length += 1
+        self.arrived(sreq)
+        self.refused(sreq, "length")
 
     def ended(self, sreq: SimRequest) -> None:
         if not self.counts(sreq):

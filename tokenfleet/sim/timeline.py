@@ -17,6 +17,7 @@ class TierBin:
     arrived: int = 0
     shed: int = 0
     quota: int = 0
+    length: int = 0  # prompt + answer over max_model_len (the gateway's 400)
     rejected: int = 0
     completed: int = 0
     cancelled: int = 0
@@ -27,9 +28,10 @@ class TierBin:
     ttft: list = field(default_factory=list)
 
     def row(self) -> dict:
-        return {"arrived": self.arrived, "shed": self.shed, "quota": self.quota, "rejected": self.rejected,
-                "completed": self.completed, "cancelled": self.cancelled, "good": self.good, "missed": self.missed,
-                "delayed": self.delayed, "capped": self.capped, "ttft_p50_s": percentile(self.ttft, 50),
+        return {"arrived": self.arrived, "shed": self.shed, "quota": self.quota, "length": self.length,
+                "rejected": self.rejected, "completed": self.completed, "cancelled": self.cancelled, "good": self.good,
+                "missed": self.missed, "delayed": self.delayed, "capped": self.capped,
+                "ttft_p50_s": percentile(self.ttft, 50),
                 "ttft_p99_s": percentile(self.ttft, 99)}
 
 
@@ -92,7 +94,7 @@ class TimelineMetrics(Metrics):
         for by_tier in self.bins.values():
             for tier, b in by_tier.items():
                 if tiers is None or tier in tiers:
-                    for name in ("arrived", "shed", "quota", "rejected", "completed", "cancelled", "good",
+                    for name in ("arrived", "shed", "quota", "length", "rejected", "completed", "cancelled", "good",
                                  "missed", "delayed", "capped"):
                         setattr(total, name, getattr(total, name) + getattr(b, name))
         return total

@@ -60,6 +60,7 @@ BAD = [
     ({"fleet.swap_space_gib": INF}, "fleet.swap_space_gib"),
     ({"fleet.swap_space_gib": NAN}, "fleet.swap_space_gib"),
     ({"gateway.load_interval_s": INF}, "gateway.load_interval_s"),
+    ({"gateway.load_interval_s": "1e-9"}, "gateway.load_interval_s"),
     ({"autoscale": {"cold_start_s": INF}}, "autoscale.cold_start_s"),
     ({"slo.tpot_s": INF}, "slo.tpot_s"),
     ({"slo.ttft_s": {"paid": INF}}, "slo.ttft_s.paid"),

@@ -39,6 +39,7 @@ SLO = {"ttft_s", "tpot_s"}
 AUTOSCALE = {"cold_start_s", "settings"}
 DISAGG = {"prefill_replicas", "decode_replicas", "link_gb_per_s", "link_efficiency", "transfer_latency_s",
           "prefill_batched_tokens"}
+MIN_LOAD_INTERVAL_S = 0.001  # the router's load poll: shorter ones only multiply the simulated events (1e-9 hung)
 DEFAULT_TTFT = {"enterprise": 1.0, "paid": 2.0, "free": 5.0, "batch": 600.0}
 
 
@@ -165,7 +166,8 @@ def parse(raw: dict, seed: int | None = None) -> FleetSetup:
         overload=section(OverloadSettings, gateway.get("overload"), "gateway.overload"),
         slots_per_replica=_positive(gateway.get("slots_per_replica", 256), "gateway.slots_per_replica", True),
         quantum_tokens=_positive(gateway.get("quantum_tokens", 2048), "gateway.quantum_tokens", True),
-        load_interval_s=float(_positive(gateway.get("load_interval_s", 1.0), "gateway.load_interval_s")),
+        load_interval_s=float(_number(gateway.get("load_interval_s", 1.0), "gateway.load_interval_s",
+                                      low=MIN_LOAD_INTERVAL_S)),
         quota=_flag(gateway.get("quota", True), "gateway.quota"), fast=_flag(engine.get("fast", True), "engine.fast"),
         gpus_per_replica=describe["tensor_parallel"], kv_bytes_per_token=model.kv_bytes_per_token(describe["kv_dtype"]),
         describe=describe)

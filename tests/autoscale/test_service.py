@@ -191,6 +191,25 @@ def test_autoscaling_a_model_the_fleet_does_not_serve_is_an_error(demo_model_dir
         add_autoscaler(gateway, config)
 
 
+def test_a_models_forecast_curve_is_not_bought_again_by_each_region(demo_model_dir):
+    """A curve in requests/s for a model with two regions would make each region's pool scale for all of it."""
+    regions = [PoolSpec("near", latency_ms=1), PoolSpec("far", latency_ms=20)]
+    forecast = {"replica_rps": 4, "forecast": {"curve": [[0, 40]]}}
+    for pools, error in (({"chat": forecast}, "chat/near, chat/far"),
+                         ({"chat": forecast, "chat/far": forecast}, "chat/near"),
+                         ({"chat": {"replica_rps": 4, "forecast": {"learn": True}}}, None),
+                         ({"chat/far": forecast, "chat/near": forecast}, None)):
+        config = FleetConfig(models=[ModelSpec("chat", str(demo_model_dir), pools=regions)],
+                             autoscale=AutoscaleSettings(enabled=True, pools=pools))
+        info = ModelInfo("chat", Tokenizer.from_dir(demo_model_dir), 512)
+        gateway, _ = build_gateway(config, {"chat": info}, lambda url, name, kind: None, "local", MemoryResumeBuffer())
+        if error is None:
+            assert add_autoscaler(gateway, config) is not None
+        else:
+            with pytest.raises(ValueError, match=f"curve would apply in full to each of the regions {error};"):
+                add_autoscaler(gateway, config)
+
+
 def test_disabled_autoscaling_adds_nothing(demo_model_dir):
     gateway, config = fleet(demo_model_dir, enabled=False)
     services = list(gateway.services)

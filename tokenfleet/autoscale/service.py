@@ -94,6 +94,19 @@ class AutoscaleService:
             await self.orchestrator.start(s.model, s.region, d.start)
 
 
+def _check_curves(settings, router) -> None:
+    """A forecast curve (requests/s) given for a model would be read in full by each of its regions' pools, each
+    buying the whole forecast's replicas: with several regions, each needs its own (`model/region`)."""
+    for name, pools in router.models.items():
+        policy, regions = settings.pools.get(name), [pool_key(name, p.name) for p in pools.spec.pools]
+        if policy is None or policy.forecast is None or not policy.forecast.curve or len(regions) < 2:
+            continue
+        shared = [key for key in regions if key not in settings.pools]
+        if shared:
+            raise ValueError(f"autoscale.pools.{name}: its forecast curve would apply in full to each of the regions "
+                             f"{', '.join(shared)}; give each region its own forecast under {name}/<region>")
+
+
 def add_autoscaler(gateway, config) -> AutoscaleService | None:
     """With `autoscale.enabled` in the fleet file: the service runs beside the gateway's other loops and its metrics
     join the gateway's /metrics; `orchestrator: local` starts and stops replica processes on this machine."""
@@ -107,6 +120,7 @@ def add_autoscaler(gateway, config) -> AutoscaleService | None:
         raise ValueError(f"autoscale.pools names model(s) this fleet does not serve: {', '.join(unknown)}")
     settings.check_budget({pool_key(name, p.name): name for name, pools in router.models.items()
                            for p in pools.spec.pools})
+    _check_curves(settings, router)
     reader = GatewaySignals(router, gateway.admission, config.overload.batch_tiers,
                             config.dispatch.prefill_tokens_per_s, settings.rate_window_s)
     orchestrator = None

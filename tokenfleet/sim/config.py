@@ -7,7 +7,6 @@ Three layouts: a fixed fleet (`fleet.replicas`), one whose size the project's au
 read the same file (bench/sim_experiments.py)."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from tokenfleet.sim.fleet import POLICIES, Fleet, FleetSetup
 from tokenfleet.sim.hardware import GB, Hardware, hardware
 from tokenfleet.sim.metrics import Slo
 from tokenfleet.sim.models import ModelShape, dtype_bytes, model_shape
+from tokenfleet.sim.numbers import is_finite, is_whole
 from tokenfleet.sim.replica import ReplicaSpec
 from tokenfleet.sim.workload import REAL, TIERS, WHOLE, Burst, WorkloadSpec
 
@@ -111,8 +111,7 @@ def _number(value, where: str, integer: bool = False, low: float | None = None, 
             pass
     if integer and isinstance(number, float) and number.is_integer():
         number = int(number)
-    ok = not isinstance(number, bool) and (
-        isinstance(number, int) or not integer and isinstance(number, float) and math.isfinite(number))
+    ok = is_whole(number) if integer else is_finite(number)
     if ok and low is not None:
         ok = number > low if above else number >= low
     if ok and high is not None:

@@ -9,11 +9,11 @@ Everything reduces to a handful of coefficients (StepCoefficients), which a cali
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 from tokenfleet.sim.hardware import Hardware
 from tokenfleet.sim.models import ModelShape
+from tokenfleet.sim.numbers import is_finite
 
 ACTIVATION_BYTES = 2  # all-reduce payloads are FP16/BF16 activations
 PCIE_BYTES_PER_S = 25e9  # host <-> device swap copies
@@ -61,8 +61,7 @@ class StepCoefficients:
     def __post_init__(self) -> None:
         if self.combine not in ("max", "sum"):
             raise ValueError(f"combine must be max or sum, got {self.combine!r}")
-        bad = [k for k, v in asdict(self).items() if k != "combine" and not (
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0)]
+        bad = [k for k, v in asdict(self).items() if k != "combine" and not (is_finite(v) and v >= 0)]
         if bad:
             raise ValueError(f"cost coefficients must be finite numbers >= 0: {', '.join(bad)}")
 

@@ -6,8 +6,9 @@ constants a calibration replaces, not measurements of this repository.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields, replace
+
+from tokenfleet.sim.numbers import is_finite, is_whole
 
 GB = 1e9
 TERA = 1e12
@@ -37,9 +38,8 @@ class Hardware:
             if f.name == "name":
                 continue
             value, (low, high) = getattr(self, f.name), RANGES.get(f.name, (">", None))
-            number = isinstance(value, (int, float)) and not isinstance(value, bool)
-            ok = number and math.isfinite(value) and (value > 0 if low == ">" else value >= 0) and (
-                high is None or value <= high) and (f.name != "max_tp" or isinstance(value, int))
+            number = is_whole(value) if f.name == "max_tp" else is_finite(value)
+            ok = number and (value > 0 if low == ">" else value >= 0) and (high is None or value <= high)
             if not ok:
                 kind = "a whole number" if f.name == "max_tp" else "a finite number"
                 bound = f"in (0, {high}]" if high else f"{low} 0"  # every share is > 0

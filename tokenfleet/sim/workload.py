@@ -10,6 +10,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from tokenfleet.sim.numbers import is_finite, is_whole
 from tokenfleet.sim.records import SimRequest
 
 TIERS = ("enterprise", "paid", "free", "batch")
@@ -19,14 +20,6 @@ SYSTEM_TOKEN_BASE = 1 << 40  # synthetic token ids: system prompts here, everyth
 WHOLE = ("orgs_per_tier", "users_per_org", "system_prompts", "max_output_tokens", "max_model_len")
 REAL = ("rate", "diurnal_amplitude", "diurnal_period_s", "peak_at_s", "user_tokens_mean", "output_tokens_mean",
         "length_sigma", "turns_mean", "think_time_s", "cancel_probability", "batch_prompt_tokens_mean")
-
-
-def _finite(value) -> bool:
-    return not isinstance(value, bool) and (isinstance(value, int) or isinstance(value, float) and math.isfinite(value))
-
-
-def _whole(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -60,10 +53,10 @@ class WorkloadSpec:
 
     def __post_init__(self) -> None:
         for name in WHOLE:
-            if not _whole(getattr(self, name)):
+            if not is_whole(getattr(self, name)):
                 raise ValueError(f"{name} must be a whole number, got {getattr(self, name)!r}")
         for name in REAL:
-            if not _finite(getattr(self, name)):
+            if not is_finite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
         numbers = {"rate": self.rate, "orgs_per_tier": self.orgs_per_tier, "users_per_org": self.users_per_org,
                    "system_prompts": self.system_prompts, "user_tokens_mean": self.user_tokens_mean,
@@ -83,12 +76,12 @@ class WorkloadSpec:
             raise ValueError("think_time_s and length_sigma must be >= 0")
         self._check_tiers()
         for i, b in enumerate(self.bursts):
-            if not all(_finite(v) for v in (b.at_s, b.duration_s, b.multiplier)) or (
+            if not all(is_finite(v) for v in (b.at_s, b.duration_s, b.multiplier)) or (
                     b.duration_s <= 0 or b.multiplier < 0 or b.at_s < 0):
                 raise ValueError(f"bursts[{i}]: a burst needs finite numbers at_s >= 0, duration_s > 0 and "
                                  f"multiplier >= 0, got {b}")
         tokens = self.system_prompt_tokens
-        if not (isinstance(tokens, (tuple, list)) and len(tokens) == 2 and all(_whole(t) for t in tokens)):
+        if not (isinstance(tokens, (tuple, list)) and len(tokens) == 2 and all(is_whole(t) for t in tokens)):
             raise ValueError(f"system_prompt_tokens must be [low, high], two whole numbers, got {tokens!r}")
         low, high = tokens
         if not 0 < low <= high or high + self.max_output_tokens >= self.max_model_len:
@@ -99,7 +92,7 @@ class WorkloadSpec:
         unknown = sorted(set(self.tiers) - set(TIERS))
         if unknown:
             raise ValueError(f"unknown tier(s) {', '.join(unknown)}; known: {', '.join(TIERS)}")
-        if any(not (_finite(w) and w >= 0) for w in self.tiers.values()) or not sum(self.tiers.values()) > 0:
+        if any(not (is_finite(w) and w >= 0) for w in self.tiers.values()) or not sum(self.tiers.values()) > 0:
             raise ValueError(f"tiers: shares must be finite numbers >= 0 and not all zero, got {self.tiers}")
 
     def rate_at(self, t: float) -> float:

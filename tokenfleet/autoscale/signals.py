@@ -127,10 +127,12 @@ class GatewayShare:
         return GatewayShare(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
 
-def gateway_share(snapshot: DispatchSnapshot, batch_tiers: Collection[str], arrival_rate: float) -> GatewayShare:
+def gateway_share(snapshot: DispatchSnapshot, batch_tiers: Collection[str], rates: RateMeter, key: str,
+                  now: float) -> GatewayShare:
+    """A gateway's share from its fair queue's snapshot; `rates` turns the queue's arrivals so far into a rate."""
     split = dispatch_split(snapshot, batch_tiers)
     return GatewayShare(split["queued"], split["queued_tokens"], split["batch_queued"], split["batch_in_use"],
-                        snapshot.in_use, snapshot.slots, arrival_rate)
+                        snapshot.in_use, snapshot.slots, rates.update(key, split["arrivals"], now))
 
 
 def add_shares(*shares: Mapping[str, GatewayShare]) -> dict[str, GatewayShare]:
@@ -194,8 +196,8 @@ class GatewaySignals:
         out = {}
         for model, pools in self.router.models.items():
             snapshot = self.admission.dispatchers[model].snapshot()
-            rate = self.rates.update(model, dispatch_split(snapshot, self.batch_tiers)["arrivals"], now)
-            out[pool_key(model, nearest_region(pools))] = gateway_share(snapshot, self.batch_tiers, rate)
+            out[pool_key(model, nearest_region(pools))] = gateway_share(snapshot, self.batch_tiers, self.rates, model,
+                                                                        now)
         return out
 
     def read(self, shares: Mapping[str, GatewayShare], starting: Mapping[str, int] | None = None,

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from tokenfleet.autoscale.forecast import CurveForecast, Forecast
 from tokenfleet.autoscale.policy import Autoscaler, Decision, batch_gate
 from tokenfleet.autoscale.settings import AutoscaleSettings
-from tokenfleet.autoscale.signals import (PoolSignals, RateMeter, ReplicaSignals, dispatch_split, gateway_share,
-                                          pool_signals)
+from tokenfleet.autoscale.signals import PoolSignals, RateMeter, ReplicaSignals, gateway_share, pool_signals
 from tokenfleet.sim.fleet import Fleet
 from tokenfleet.sim.workload import WorkloadSpec
 
@@ -118,10 +117,8 @@ class ScaledFleet:
             s = r.report()
             replicas.append(ReplicaSignals(r.name, r.name in fleet.draining, True, s.running, s.waiting,
                                            s.in_flight, s.kv_usage, s.queued_tokens, self.started_at[r.name]))
-        snapshot = fleet.gateway.dispatcher.snapshot()
-        rate = self.rates.update(POOL, dispatch_split(snapshot, self.batch_tiers)["arrivals"], now)
-        return pool_signals(POOL, replicas, gateway_share(snapshot, self.batch_tiers, rate),
-                            fleet.prefill_tokens_per_s, starting=len(self.launches))
+        share = gateway_share(fleet.gateway.dispatcher.snapshot(), self.batch_tiers, self.rates, POOL, now)
+        return pool_signals(POOL, replicas, share, fleet.prefill_tokens_per_s, starting=len(self.launches))
 
     # --- deciding and acting ----------------------------------------------------------------------------------
 

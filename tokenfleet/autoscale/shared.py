@@ -6,8 +6,8 @@ forecast from it) and count the other gateways' batch work on the replicas as in
 autoscaler step a gateway writes its shares and reads every live gateway's, in one script, and decides on the
 sum; every gateway then decides on the same totals, and the maximum a KEDA query takes over them is right.
 
-Keys, like the replica registry's (a sorted set of expiry times on the Redis server's clock plus a hash of
-records, in one cluster slot), under the fleet's registry prefix:
+Keys, kept with the replica registry's script pieces (a sorted set of expiry times on the Redis server's clock plus
+a hash of records, in one cluster slot), under the fleet's registry prefix:
   {prefix}{gateways}:live     sorted set: gateway id -> expiry time
   {prefix}{gateways}:shares   hash: gateway id -> its shares, JSON {pool key: GatewayShare fields}
 A gateway that stops writing drops out after ttl_s; both keys expire when every gateway has gone.
@@ -22,23 +22,14 @@ import socket
 import uuid
 
 from tokenfleet.autoscale.signals import GatewayShare, add_shares
-from tokenfleet.router.registry import REDIS_FAILURES, REDIS_NOW, Outage, Script, run_script
+from tokenfleet.router.registry import (LIVE_RECORDS, REDIS_FAILURES, REDIS_NOW, UPSERT_RECORD, Outage, Script,
+                                        check_prefix, run_script)
 
 log = logging.getLogger(__name__)
 
-# KEYS: live, shares. ARGV: gateway id, its shares JSON, ttl seconds. Returns every live gateway's id and shares.
-_EXCHANGE = Script(REDIS_NOW + """
-local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. now)
-if #expired > 0 then
-  redis.call('ZREM', KEYS[1], unpack(expired))
-  redis.call('HDEL', KEYS[2], unpack(expired))
-end
-local ttl = tonumber(ARGV[3])
-redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-for _, key in ipairs(KEYS) do redis.call('PEXPIRE', key, math.ceil(ttl * 2000)) end
-return redis.call('HGETALL', KEYS[2])
-""")
+# KEYS: live, shares. ARGV: gateway id, its shares JSON, ttl seconds. Returns every live gateway's shares, this
+# one's (just written) included.
+_EXCHANGE = Script(REDIS_NOW + UPSERT_RECORD + LIVE_RECORDS)
 
 
 def gateway_id() -> str:
@@ -48,8 +39,7 @@ def gateway_id() -> str:
 
 class SharedShares:
     def __init__(self, redis, prefix: str, ttl_s: float, me: str | None = None) -> None:
-        if "{" in prefix or "}" in prefix:
-            raise ValueError(f"the prefix must not contain braces (they mark the hash tag), got {prefix!r}")
+        check_prefix(prefix)
         self.redis, self.ttl_s, self.me = redis, ttl_s, me or gateway_id()
         self.keys = [f"{prefix}{{gateways}}:live", f"{prefix}{{gateways}}:shares"]
         self._outage = Outage("autoscaler signal exchange")
@@ -64,12 +54,7 @@ class SharedShares:
             self._outage.failed(e)
             return dict(mine)
         self._outage.ok()
-        return add_shares(mine, *(_decode(value) for gateway, value in _pairs(raw) if gateway != self.me))
-
-
-def _pairs(raw: list) -> list[tuple[str, bytes | str]]:
-    names = [n.decode() if isinstance(n, bytes) else n for n in raw[0::2]]
-    return list(zip(names, raw[1::2]))
+        return add_shares(*(_decode(value) for value in raw))
 
 
 def _decode(value: bytes | str) -> dict[str, GatewayShare]:

@@ -67,9 +67,13 @@ class RegistryKeys:
 
     @classmethod
     def under(cls, prefix: str) -> "RegistryKeys":
-        if "{" in prefix or "}" in prefix:
-            raise ValueError(f"the registry prefix must not contain braces (they mark the hash tag), got {prefix!r}")
+        check_prefix(prefix)
         return cls(f"{prefix}{{registry}}:live", f"{prefix}{{registry}}:records", f"{prefix}events")
+
+
+def check_prefix(prefix: str) -> None:
+    if "{" in prefix or "}" in prefix:
+        raise ValueError(f"the registry prefix must not contain braces (they mark the hash tag), got {prefix!r}")
 
 
 @dataclass(frozen=True)
@@ -83,8 +87,11 @@ class Script:
 
 REDIS_NOW = "local t = redis.call('TIME')\nlocal now = tonumber(t[1]) + tonumber(t[2]) / 1000000\n"
 
-# KEYS: live, records. ARGV: name, record JSON, ttl seconds, events channel.
-_UPSERT = Script(REDIS_NOW + """
+# Script pieces over KEYS[1] (live: name -> expiry, on the server's clock) and KEYS[2] (records: name -> JSON),
+# after REDIS_NOW; autoscale.shared keeps the gateways' signal shares the same way.
+# ARGV[1]: name, ARGV[2]: record JSON, ARGV[3]: ttl seconds. Reaps expired members, then writes the record with a
+# fresh expiry and extends both keys' TTL; leaves `previous` (the record before) and `added` (1 if it was new).
+UPSERT_RECORD = """
 local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. now, 'LIMIT', 0, 100)
 if #expired > 0 then
   redis.call('ZREM', KEYS[1], unpack(expired))
@@ -98,6 +105,23 @@ local keep = math.ceil(ttl * 2000)
 for _, key in ipairs(KEYS) do
   if redis.call('PTTL', key) < keep then redis.call('PEXPIRE', key, keep) end
 end
+"""
+
+# Returns the JSON of every member whose expiry is still ahead.
+LIVE_RECORDS = """
+local names = redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')
+local out = {}
+for i = 1, #names, 500 do
+  local records = redis.call('HMGET', KEYS[2], unpack(names, i, math.min(i + 499, #names)))
+  for _, record in ipairs(records) do
+    if record then out[#out + 1] = record end
+  end
+end
+return out
+"""
+
+# KEYS: live, records. ARGV: name, record JSON, ttl seconds, events channel.
+_UPSERT = Script(REDIS_NOW + UPSERT_RECORD + """
 if added == 1 or previous ~= ARGV[2] then redis.call('PUBLISH', ARGV[4], ARGV[1]) end
 return added
 """)
@@ -113,18 +137,8 @@ redis.call('PUBLISH', ARGV[3], ARGV[1])
 return 1
 """)
 
-# KEYS: live, records. Returns the JSON of every member whose expiry is still ahead.
-_SNAPSHOT = Script(REDIS_NOW + """
-local names = redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')
-local out = {}
-for i = 1, #names, 500 do
-  local records = redis.call('HMGET', KEYS[2], unpack(names, i, math.min(i + 499, #names)))
-  for _, record in ipairs(records) do
-    if record then out[#out + 1] = record end
-  end
-end
-return out
-""")
+# KEYS: live, records.
+_SNAPSHOT = Script(REDIS_NOW + LIVE_RECORDS)
 
 
 async def run_script(redis, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:

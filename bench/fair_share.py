@@ -94,7 +94,7 @@ SERVED_NAME = "bench"
 # enough clients still finds its queue empty now and then -- every request of it running -- and SFQ gives it no
 # credit for that; the report shows each tier's fraction, so a share below the weight can be read against it.)
 BACKLOGGED = 0.5
-# The default tiers (tokenfleet.config.default_tiers), limits removed: (priority class, weight, on_quota_outage).
+# The default tiers (tokenfleet.dispatch.tiers.default_tiers), limits removed: (priority class, weight, on_quota_outage).
 TIERS = {"enterprise": (0, 8, "open"), "paid": (0, 4, "open"), "free": (1, 2, "closed"), "batch": (2, 1, "closed")}
 # tenant -> (tier, concurrent clients); order = report order
 DEFAULT_TENANTS = {"enterprise": ("enterprise", 8), "paid-heavy": ("paid", 24), "paid-light": ("paid", 2),

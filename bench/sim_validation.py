@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from tokenfleet.config import EngineConfig  # noqa: E402
+from tokenfleet.engine.config import EngineConfig  # noqa: E402
 from tokenfleet.engine.engine import Engine  # noqa: E402
 from tokenfleet.engine.scheduler import SchedulerConfig  # noqa: E402
 from tokenfleet.model.demo import write_demo_checkpoint  # noqa: E402

@@ -60,7 +60,7 @@ def add_drain_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_replica(parser: argparse.ArgumentParser) -> None:
-    from tokenfleet.config import add_engine_arguments
+    from tokenfleet.engine.config import add_engine_arguments
 
     add_engine_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1")
@@ -83,14 +83,14 @@ def add_replica(parser: argparse.ArgumentParser) -> None:
 
 
 def run_replica(args: argparse.Namespace) -> int:
-    from tokenfleet.replica.main import serve_replica
+    from tokenfleet.commands.replica import serve_replica
 
     serve_replica(args)
     return 0
 
 
 def add_serve(parser: argparse.ArgumentParser) -> None:
-    from tokenfleet.config import add_engine_arguments
+    from tokenfleet.engine.config import add_engine_arguments
 
     add_engine_arguments(parser, model_required=False)
     parser.add_argument("--host", default="127.0.0.1")
@@ -114,7 +114,7 @@ def add_serve(parser: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from tokenfleet.gateway.main import serve_embedded
+    from tokenfleet.commands.serve import serve_embedded
 
     serve_embedded(args)
     return 0
@@ -125,7 +125,7 @@ def add_gateway(parser: argparse.ArgumentParser) -> None:
 
 
 def run_gateway(args: argparse.Namespace) -> int:
-    from tokenfleet.gateway.main import serve_gateway
+    from tokenfleet.commands.serve import serve_gateway
 
     serve_gateway(args)
     return 0
@@ -151,19 +151,19 @@ def add_keys(parser: argparse.ArgumentParser) -> None:
 
 
 def run_keys(args: argparse.Namespace) -> int:
-    from tokenfleet.store.keys_command import run_keys_command
+    from tokenfleet.commands.keys import run_keys_command
 
     return run_keys_command(args)
 
 
 def add_usage(parser: argparse.ArgumentParser) -> None:
-    from tokenfleet.billing.usage_command import add_usage_arguments
+    from tokenfleet.commands.usage import add_usage_arguments
 
     add_usage_arguments(parser)
 
 
 def run_usage(args: argparse.Namespace) -> int:
-    from tokenfleet.billing.usage_command import run_usage_command
+    from tokenfleet.commands.usage import run_usage_command
 
     return run_usage_command(args)
 

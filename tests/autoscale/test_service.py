@@ -17,7 +17,7 @@ from tokenfleet.config import DispatchSettings, FleetConfig
 from tokenfleet.dispatch.overload import OverloadLadder
 from tokenfleet.dispatch.records import Ticket
 from tokenfleet.gateway.gateway import ModelInfo
-from tokenfleet.gateway.main import build_gateway
+from tokenfleet.commands.serve import build_gateway
 from tokenfleet.gateway.resume import MemoryResumeBuffer
 from tokenfleet.model.tokenizer import Tokenizer
 from tokenfleet.router.catalog import ModelSpec, PoolSpec

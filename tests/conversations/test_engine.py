@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from tests.conversations.helpers import conversations_app, parse_sse, reply_text, wait_for
-from tokenfleet.config import EngineConfig
+from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.async_engine import AsyncEngine
 from tokenfleet.gateway.upstream import InProcessUpstream
 from tokenfleet.model.tokenizer import Tokenizer

@@ -8,7 +8,7 @@ import pytest
 
 from tests.checkpoints import SMALL_KV, make_checkpoint
 from tokenfleet import LLM, SamplingParams
-from tokenfleet.config import EngineConfig
+from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.async_engine import AsyncEngine
 from tokenfleet.engine.engine import Engine
 from tokenfleet.engine.request import RequestStatus

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from tests.checkpoints import SMALL_KV
 from tokenfleet import LLM, SamplingParams
-from tokenfleet.config import EngineConfig
+from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.engine_process import EngineProcess, server_threads, start_engine
 from tokenfleet.replica.server import create_app
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from tokenfleet.config import FleetConfig, MeteringSettings, StreamSettings
 from tokenfleet.gateway.gateway import Gateway, ModelInfo
-from tokenfleet.gateway.main import build_gateway
+from tokenfleet.commands.serve import build_gateway
 from tokenfleet.gateway.resume import MemoryResumeBuffer
 from tokenfleet.model.tokenizer import Tokenizer
 from tokenfleet.router.catalog import ModelSpec

@@ -10,7 +10,7 @@ import httpx
 
 from tests.gateway.inprocess import inprocess_gateway, multi_model_gateway
 from tokenfleet.dispatch.overload import OverloadSettings
-from tokenfleet.router.router import RoutingSettings, Shadow
+from tokenfleet.router.settings import RoutingSettings, Shadow
 from tokenfleet.config import default_tiers
 from tokenfleet.gateway.app import Gateway, create_gateway_app
 from tokenfleet.quota.failover import FailoverQuota

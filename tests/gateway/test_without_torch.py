@@ -8,7 +8,7 @@ import sys
 CHECK = """
 import sys
 sys.modules["torch"] = None  # any import of torch now raises ImportError, naming the importer in its traceback
-import tokenfleet.gateway.main, tokenfleet.sim.command, tokenfleet.sim.fleet
+import tokenfleet.commands.serve, tokenfleet.sim.command, tokenfleet.sim.fleet
 from tokenfleet.cli import build_parser
 for words in (["gateway", "--config", "fleet.yaml"], ["simulate", "--config", "sim.yaml"], ["keys", "list"],
               ["usage"]):

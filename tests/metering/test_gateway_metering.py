@@ -12,7 +12,8 @@ from sqlalchemy import select
 from tests.gateway.inprocess import MODEL, inprocess_gateway
 from tests.metering.helpers import eventually
 from tokenfleet.api.errors import APIError
-from tokenfleet.config import EngineConfig, MeteringSettings
+from tokenfleet.engine.config import EngineConfig
+from tokenfleet.metering.settings import MeteringSettings
 from tokenfleet.engine.async_engine import AsyncEngine
 from tokenfleet.gateway.upstream import InProcessUpstream
 from tokenfleet.quota.memory import MemoryQuota

@@ -7,7 +7,8 @@ import pytest
 from tokenfleet.router.catalog import ModelCatalog, ModelSpec, PoolSpec
 from tokenfleet.router.policy import NoReplicaAvailable
 from tokenfleet.router.registry import ReplicaRecord
-from tokenfleet.router.router import Router, RoutingSettings
+from tokenfleet.router.router import Router
+from tokenfleet.router.settings import RoutingSettings
 
 
 def router(fallback: bool = False) -> Router:
@@ -72,7 +73,7 @@ def test_registry_changes_join_leave_and_drain_in_place():
 
 
 def test_canary_and_shadow_draws_are_fixed_by_the_request_id():
-    from tokenfleet.router.router import Canary, Shadow
+    from tokenfleet.router.settings import Canary, Shadow
 
     settings = RoutingSettings(canary=[Canary("big", "small", {"free": 50})], shadow=[Shadow("big", "small", 30)])
     big = ModelSpec("big", "/x", aliases=["b"])

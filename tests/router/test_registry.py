@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from tests.gateway.conftest import replica_args
 from tests.servers import delete_redis_keys, free_port, wait_healthy
 from tokenfleet.cli import build_parser
-from tokenfleet.replica.main import default_advertise_url, registration_from_args
+from tokenfleet.commands.replica import default_advertise_url, registration_from_args
 from tokenfleet.router.registry import RegistryKeys, ReplicaAnnouncer, ReplicaRecord, ReplicaRegistry
 
 REDIS_URL = "redis://127.0.0.1:6379"

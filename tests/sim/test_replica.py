@@ -8,7 +8,7 @@ import pytest
 
 from tests.sim.helpers import make_requests, run_replica
 from tokenfleet.engine.engine import Engine
-from tokenfleet.config import EngineConfig
+from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.request import SamplingParams
 
 

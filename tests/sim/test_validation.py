@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenfleet.config import EngineConfig
+from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.engine import Engine
 from tokenfleet.engine.scheduler import SchedulerConfig
 from tokenfleet.sim.calibration import fit, replay, simulate, synthetic_arrivals

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy.engine import make_url
 
-from tokenfleet.store.db import async_url, resolve_database_url
+from tokenfleet.commands.database import resolve_database_url
+from tokenfleet.store.db import async_url
 
 
 @pytest.mark.parametrize(("given", "expected"), [

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -43,11 +42,6 @@ async def until_disconnect(request: Request, work) -> dict:
         if await request.is_disconnected():
             task.cancel()
             raise APIError(499, "client closed the request", code="client_closed_request")
-
-
-def configure_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per load poll and health check otherwise
 
 
 def run_http(app: FastAPI, host: str, port: int, drain_timeout_s: float) -> None:

@@ -11,7 +11,7 @@ from typing import Protocol
 
 from tokenfleet.autoscale.policy import Decision
 from tokenfleet.autoscale.signals import PoolSignals
-from tokenfleet.gateway.metrics import _counter, _gauge
+from tokenfleet.metric_families import counter_family, gauge_family
 
 LABELS = ["model", "pool"]
 
@@ -69,10 +69,10 @@ class AutoscaleCollector:
         signals, decisions = dict(self.source.signals), dict(self.source.decisions)
         labels = {key: (s.model or key, s.region) for key, s in signals.items()}
         for name, (doc, value) in SIGNAL_GAUGES.items():
-            yield _gauge(name, doc, {labels[key]: value(s) for key, s in signals.items()}, LABELS)
+            yield gauge_family(name, doc, {labels[key]: value(s) for key, s in signals.items()}, LABELS)
         for name, (doc, value) in DECISION_GAUGES.items():
             values = {labels[key]: value(d) for key, d in decisions.items() if key in labels and value(d) is not None}
-            yield _gauge(name, doc, values, LABELS)
+            yield gauge_family(name, doc, values, LABELS)
         events = {(*labels[key], direction): n for (key, direction), n in self.source.events.items() if key in labels}
-        yield _counter("tokenfleet_autoscale_scale_events", "Changes of the desired replica count, by direction.",
+        yield counter_family("tokenfleet_autoscale_scale_events", "Changes of the desired replica count, by direction.",
                        events, [*LABELS, "direction"])

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 
 from tokenfleet.api.errors import bad_request
 from tokenfleet.billing.report import UsageFilter, check_groups, unit_costs, usage_report
-from tokenfleet.config import BillingSettings
+from tokenfleet.billing.settings import BillingSettings
 from tokenfleet.gateway.admin import PREFIX, admin_guard
 from tokenfleet.gateway.gateway import Gateway
 from tokenfleet.store.db import Database

@@ -20,7 +20,7 @@ from tokenfleet.dispatch.reservations import Reservations
 from tokenfleet.dispatch.wfq import TierFairQueue
 
 if TYPE_CHECKING:  # config imports torch; the dispatcher only needs each tier's weight and priority
-    from tokenfleet.config import TierConfig
+    from tokenfleet.dispatch.tiers import TierConfig
 
 
 class Grant(Protocol):

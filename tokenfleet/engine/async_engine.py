@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from tokenfleet.config import EngineConfig
+from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.engine import Engine, RequestOutput
 from tokenfleet.engine.request import SamplingParams
 from tokenfleet.engine.state import EngineState

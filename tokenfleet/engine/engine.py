@@ -7,7 +7,7 @@ import time
 import logging
 import operator
 from dataclasses import dataclass, field
-from tokenfleet.config import EngineConfig
+from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.kv_blocks import KVBlockManager
 from tokenfleet.engine.limits import EngineLimits
 from tokenfleet.engine.request import Request, SamplingParams, TokenLogprob
@@ -15,7 +15,7 @@ from tokenfleet.engine.runner import ModelRunner
 from tokenfleet.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tokenfleet.model.config import ModelConfig, parse_dtype
 from tokenfleet.model.loader import load_model
-from tokenfleet.model.sampler import Sampler
+from tokenfleet.engine.sampler import Sampler
 from tokenfleet.model.tokenizer import StopStringMatcher, Tokenizer
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from tokenfleet.config import EngineConfig
+from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.async_engine import StreamingEngine, StreamQueue
 from tokenfleet.engine.engine import RequestOutput
 from tokenfleet.engine.limits import EngineLimits
@@ -189,7 +189,7 @@ def _engine_main(config: EngineConfig, conn, threads: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     import torch
 
-    from tokenfleet.api.http import configure_logging  # the server's log format (imported here: a layer up)
+    from tokenfleet.logs import configure_logging
 
     from tokenfleet.engine.engine import Engine
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from tokenfleet.config import EngineConfig
+from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.engine import Engine, RequestOutput
 from tokenfleet.engine.request import SamplingParams
 

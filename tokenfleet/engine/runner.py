@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenfleet.config import EngineConfig
+from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.request import Request
 from tokenfleet.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tokenfleet.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk

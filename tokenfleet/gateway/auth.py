@@ -14,7 +14,7 @@ from typing import Mapping, Protocol
 from starlette.requests import Request
 
 from tokenfleet.api.errors import APIError, unauthorized
-from tokenfleet.config import TierConfig
+from tokenfleet.dispatch.tiers import TierConfig
 from tokenfleet.quota.base import Scope
 from tokenfleet.quota.limits import Limits
 from tokenfleet.store.records import Principal

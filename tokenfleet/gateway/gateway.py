@@ -17,7 +17,7 @@ from starlette.requests import Request
 
 from tokenfleet.api.errors import APIError, bad_request, not_found
 from tokenfleet.api.protocol import ChatCompletionRequest, CompletionRequest, parse, prompt_token_ids
-from tokenfleet.config import StreamSettings
+from tokenfleet.gateway.settings import StreamSettings
 from tokenfleet.dispatch.overload import Plan
 from tokenfleet.gateway.admission import Admission, Admitted
 from tokenfleet.gateway.aggregate import aggregate

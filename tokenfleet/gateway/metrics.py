@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from tokenfleet.metric_families import counter_family, gauge_family
 
 if TYPE_CHECKING:
     from tokenfleet.gateway.admission import Admission
@@ -42,29 +42,29 @@ class AdmissionCollector:
 
     def collect(self):
         a = self.admission
-        yield _gauge("tokenfleet_overload_level", "Degradation ladder step: 0 normal, 1 batch paused, 2 free capped "
+        yield gauge_family("tokenfleet_overload_level", "Degradation ladder step: 0 normal, 1 batch paused, 2 free capped "
                      "and moved to the smaller model, 3 free shed, 4 paid queueing.", {(): a.ladder.level})
-        yield _gauge("tokenfleet_projected_ttft_seconds", "Projected time to first token of a new request.",
+        yield gauge_family("tokenfleet_projected_ttft_seconds", "Projected time to first token of a new request.",
                      {(): a.ladder.projected_ttft_s})
         snapshots = {model: d.snapshot() for model, d in a.dispatchers.items()}
-        yield _gauge("tokenfleet_dispatch_slots", "Room in each model's pool, and how much of it is in use.",
+        yield gauge_family("tokenfleet_dispatch_slots", "Room in each model's pool, and how much of it is in use.",
                      {**{(m, "total"): s.slots for m, s in snapshots.items()},
                       **{(m, "in_use"): s.in_use for m, s in snapshots.items()}}, ["model", "state"])
         tiers = [(m, t, ts) for m, s in snapshots.items() for t, ts in s.tiers.items()]
         labels = ["model", "tier"]
-        yield _gauge("tokenfleet_dispatch_queued_requests", "Requests waiting for room, by model and tier.",
+        yield gauge_family("tokenfleet_dispatch_queued_requests", "Requests waiting for room, by model and tier.",
                      {(m, t): s.queued for m, t, s in tiers}, labels)
-        yield _gauge("tokenfleet_dispatch_queued_tokens", "Tokens waiting for room, by model and tier.",
+        yield gauge_family("tokenfleet_dispatch_queued_tokens", "Tokens waiting for room, by model and tier.",
                      {(m, t): s.queued_tokens for m, t, s in tiers}, labels)
-        yield _gauge("tokenfleet_dispatch_tier_paused", "1 when the ladder paused the tier.",
+        yield gauge_family("tokenfleet_dispatch_tier_paused", "1 when the ladder paused the tier.",
                      {(m, t): int(s.paused) for m, t, s in tiers}, labels)
-        yield _counter("tokenfleet_dispatch_wait_seconds", "Time dispatched requests waited for room.",
+        yield counter_family("tokenfleet_dispatch_wait_seconds", "Time dispatched requests waited for room.",
                        {(m, t): s.wait_s_total for m, t, s in tiers}, labels)
-        yield _counter("tokenfleet_dispatch_tokens", "Tokens dispatched to replicas.",
+        yield counter_family("tokenfleet_dispatch_tokens", "Tokens dispatched to replicas.",
                        {(m, t): s.dispatched_tokens for m, t, s in tiers}, labels)
-        yield _counter("tokenfleet_quota_refusals", "Requests refused by a quota, by tier and dimension.",
+        yield counter_family("tokenfleet_quota_refusals", "Requests refused by a quota, by tier and dimension.",
                        dict(a.refusals), ["tier", "reason"])
-        yield _counter("tokenfleet_overload_shed", "New requests shed by the overload ladder, by tier.",
+        yield counter_family("tokenfleet_overload_shed", "New requests shed by the overload ladder, by tier.",
                        dict(a.shed), ["tier"])
         yield from _quota_store_metrics(a.quota)
 
@@ -73,24 +73,12 @@ def _quota_store_metrics(quota):
     """Outage counters of a quota kept in Redis with a local fallback (absent when quotas are in memory)."""
     if not hasattr(quota, "outages"):
         return
-    yield _counter("tokenfleet_quota_outages", "Times the quota store became unreachable.", {(): quota.outages}, [])
-    yield _counter("tokenfleet_quota_fallback_decisions", "Quota decisions made by the local limiter during an "
+    yield counter_family("tokenfleet_quota_outages", "Times the quota store became unreachable.", {(): quota.outages}, [])
+    yield counter_family("tokenfleet_quota_fallback_decisions", "Quota decisions made by the local limiter during an "
                    "outage (tiers that fail open).", {(): quota.fallback_decisions}, [])
-    yield _counter("tokenfleet_quota_unavailable", "Requests answered 503 during an outage (tiers that fail "
+    yield counter_family("tokenfleet_quota_unavailable", "Requests answered 503 during an outage (tiers that fail "
                    "closed).", {(): quota.unavailable}, [])
-    yield _gauge("tokenfleet_quota_pending_reconciles", "Reconciliations waiting for the quota store to return.",
+    yield gauge_family("tokenfleet_quota_pending_reconciles", "Reconciliations waiting for the quota store to return.",
                  {(): quota.pending_reconciles})
 
 
-def _gauge(name: str, doc: str, values: dict, labels: list[str] | None = None) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(name, doc, labels=labels or [])
-    for label_values, value in values.items():
-        family.add_metric(list(label_values), value)
-    return family
-
-
-def _counter(name: str, doc: str, values: dict, labels: list[str]) -> CounterMetricFamily:
-    family = CounterMetricFamily(name, doc, labels=labels)
-    for label_values, value in values.items():
-        family.add_metric(list(label_values), value)
-    return family

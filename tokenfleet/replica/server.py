@@ -17,7 +17,7 @@ from tokenfleet.api.render import Renderer
 from tokenfleet.api.sse import SSE_HEADERS, sse_event
 from tokenfleet.engine.async_engine import AsyncEngine
 from tokenfleet.replica.choices import ChoiceStream
-from tokenfleet.replica.metrics import ReplicaMetrics, load_report
+from tokenfleet.replica.metrics import ReplicaMetrics
 
 log = logging.getLogger(__name__)
 

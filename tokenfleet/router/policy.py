@@ -211,3 +211,17 @@ class RoundRobinPolicy:
 
     def forget(self, replica: str) -> None:
         pass
+
+
+POLICIES = ("cache_aware", "least_loaded", "round_robin")
+
+
+def make_policy(name: str, block_size: int, load_bound: float) -> RoutingPolicy:
+    """The one factory of routing policies, for the gateway's router and the simulator alike."""
+    if name == "cache_aware":
+        return CacheAwarePolicy(block_size=block_size, load_bound=load_bound)
+    if name == "least_loaded":
+        return LeastLoadedPolicy()
+    if name == "round_robin":
+        return RoundRobinPolicy()
+    raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(POLICIES)}")

@@ -5,63 +5,16 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from dataclasses import dataclass, field
 from typing import Callable
 
 from tokenfleet.router.catalog import ModelCatalog, RequestFacts, Resolution
-from tokenfleet.router.health import HealthSettings, HealthTracker
+from tokenfleet.router.health import HealthTracker
 from tokenfleet.router.load import LoadUnavailable
-from tokenfleet.router.policy import CacheAwarePolicy, LeastLoadedPolicy, RoundRobinPolicy
+from tokenfleet.router.policy import make_policy
 from tokenfleet.router.pool import ModelPools
+from tokenfleet.router.settings import RoutingSettings
 
 log = logging.getLogger(__name__)
-POLICIES = {"cache_aware": CacheAwarePolicy, "least_loaded": LeastLoadedPolicy, "round_robin": RoundRobinPolicy}
-
-
-@dataclass
-class Canary:
-    """A share of the requests for `model` (a version or an alias) goes to the `version` under test, per tier."""
-
-    model: str
-    version: str
-    percent: dict[str, float] = field(default_factory=dict)  # tier -> percent; "default" for the others
-
-    def share(self, tier: str) -> float:
-        return self.percent.get(tier, self.percent.get("default", 0.0)) / 100.0
-
-
-@dataclass
-class Shadow:
-    """A copy of `percent`% of the requests for `model` also goes to `candidate`; its output is discarded and its
-    latency recorded beside the primary's."""
-
-    model: str
-    candidate: str
-    percent: float = 100.0
-
-
-@dataclass
-class RoutingSettings:
-    policy: str = "cache_aware"
-    load_bound: float = 1.25  # a cached replica above this x the pool's average load is passed over
-    block_size: int = 16  # must match the replicas' engine block size for prefix hashes to agree
-    load_interval_s: float = 1.0
-    max_retries: int = 2  # a replica dying mid-response: the request continues on another, this many times
-    replica_timeout_s: float = 30.0  # longest wait for a replica's next byte: a hung replica fails the attempt
-    register_prefix: str = "tokenfleet:replicas:"  # the Redis replica registry (when the fleet has redis_url)
-    health: HealthSettings = field(default_factory=HealthSettings)
-    rules: dict[str, list] = field(default_factory=dict)  # routing alias -> rules (see catalog.RoutingRule)
-    canary: list[Canary] = field(default_factory=list)
-    shadow: list[Shadow] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if self.load_bound < 1.0 or self.block_size < 1 or self.max_retries < 0 or self.load_interval_s <= 0:
-            raise ValueError("load_bound >= 1, block_size >= 1, max_retries >= 0 and load_interval_s > 0 please")
-        for canary in self.canary:
-            if any(not 0 <= p <= 100 for p in canary.percent.values()):
-                raise ValueError(f"canary {canary.model}: percentages go from 0 to 100")
 
 
 class Router:
@@ -80,9 +33,7 @@ class Router:
                 raise ValueError(f"shadow names an unknown model: {shadow.model} / {shadow.candidate}")
 
     def _policy(self):
-        if self.settings.policy == "cache_aware":
-            return CacheAwarePolicy(self.settings.block_size, self.settings.load_bound)
-        return POLICIES[self.settings.policy]()
+        return make_policy(self.settings.policy, self.settings.block_size, self.settings.load_bound)
 
     def add_configured_replicas(self) -> None:
         for name, pools in self.models.items():

@@ -13,13 +13,15 @@ from pathlib import Path
 import yaml
 
 from tokenfleet.autoscale.settings import AutoscaleSettings
-from tokenfleet.config import default_tiers, section
+from tokenfleet.dispatch.tiers import default_tiers
+from tokenfleet.settings import section
 from tokenfleet.dispatch.overload import OverloadSettings
 from tokenfleet.engine.scheduler import SchedulerConfig
 from tokenfleet.sim.autoscaling import POOL, ScalingSetup
 from tokenfleet.sim.cost_model import CostModel, StepCoefficients, kv_cache_blocks, roofline
 from tokenfleet.sim.disagg import DisaggFleet, DisaggSpec
-from tokenfleet.sim.fleet import POLICIES, Fleet, FleetSetup
+from tokenfleet.router.policy import POLICIES
+from tokenfleet.sim.fleet import Fleet, FleetSetup
 from tokenfleet.sim.hardware import GB, Hardware, hardware
 from tokenfleet.sim.metrics import Slo
 from tokenfleet.sim.models import ModelShape, dtype_bytes, model_shape

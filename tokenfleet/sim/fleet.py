@@ -5,11 +5,11 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from tokenfleet.config import TierConfig
+from tokenfleet.dispatch.tiers import TierConfig
 from tokenfleet.dispatch.overload import OverloadLadder, OverloadSettings
 from tokenfleet.dispatch.queue import Dispatcher
 from tokenfleet.quota.memory import MemoryQuota
-from tokenfleet.router.policy import CacheAwarePolicy, LeastLoadedPolicy, RoundRobinPolicy, RoutingPolicy
+from tokenfleet.router.policy import make_policy
 from tokenfleet.sim.cost_model import CostModel
 from tokenfleet.sim.events import EventQueue, SimClock
 from tokenfleet.sim.gateway import SimGateway
@@ -17,9 +17,6 @@ from tokenfleet.sim.metrics import Metrics, Slo
 from tokenfleet.sim.records import SimRequest
 from tokenfleet.sim.replica import ReplicaSpec, SimReplica
 from tokenfleet.sim.workload import Conversation, Workload, WorkloadSpec
-
-POLICIES = ("cache_aware", "least_loaded", "round_robin")
-
 
 @dataclass
 class FleetSetup:
@@ -45,16 +42,6 @@ class FleetSetup:
     gpus_per_replica: int = 1
     kv_bytes_per_token: int = 0  # one token's KV cache: what moving a prompt between pools costs (disagg)
     describe: dict = field(default_factory=dict)  # what the report prints about the setup
-
-
-def make_policy(name: str, block_size: int, load_bound: float) -> RoutingPolicy:
-    if name == "cache_aware":
-        return CacheAwarePolicy(block_size=block_size, load_bound=load_bound)
-    if name == "least_loaded":
-        return LeastLoadedPolicy()
-    if name == "round_robin":
-        return RoundRobinPolicy()
-    raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(POLICIES)}")
 
 
 class Fleet:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from tokenfleet.config import TierConfig
+from tokenfleet.dispatch.tiers import TierConfig
 from tokenfleet.dispatch.overload import LoadSignal, OverloadLadder
 from tokenfleet.dispatch.queue import Dispatcher
 from tokenfleet.dispatch.records import Slot, Ticket

@@ -14,19 +14,11 @@ DEFAULT_PATH = "~/.local/share/tokenfleet/tokenfleet.db"
 ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg", "postgres": "postgresql+asyncpg"}
 
 
-def resolve_database_url(flag: str | None = None, config_path: str | None = None) -> str:
-    """Which database to use: the --database-url flag, else $TOKENFLEET_DATABASE_URL, else `database_url` in the
-    fleet file, else the embedded SQLite file under ~/.local/share/tokenfleet (its folder is created)."""
-    if flag:
-        return flag
+def default_database_url() -> str:
+    """$TOKENFLEET_DATABASE_URL, else the embedded SQLite file under ~/.local/share/tokenfleet (its folder is
+    created)."""
     if os.environ.get(ENV_VAR):
         return os.environ[ENV_VAR]
-    if config_path:
-        from tokenfleet.config import FleetConfig  # imported here: it pulls in torch
-
-        url = FleetConfig.load(config_path).database_url
-        if url:
-            return url
     path = Path(DEFAULT_PATH).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{path}"

@@ -5,7 +5,7 @@ import asyncio
 from alembic import context
 from sqlalchemy import Connection
 
-from tokenfleet.store.db import Database, resolve_database_url
+from tokenfleet.store.db import Database, default_database_url
 from tokenfleet.store.models import Base
 
 config = context.config
@@ -20,7 +20,7 @@ def run_on(connection: Connection) -> None:
 
 
 async def run_connected() -> None:
-    db = Database(config.get_main_option("sqlalchemy.url") or resolve_database_url())
+    db = Database(config.get_main_option("sqlalchemy.url") or default_database_url())
     try:
         async with db.engine.connect() as connection:
             await connection.run_sync(run_on)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tokenfleet.engine.request import Request, SamplingParams
-from tokenfleet.model.sampler import PromptTokenCache, Sampler, apply_penalties, apply_top_p
+from tokenfleet.engine.sampler import PromptTokenCache, Sampler, apply_penalties, apply_top_p
 
 EOS = 9
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -22,8 +22,9 @@ import httpx
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 
-from tokenfleet.api.http import configure_logging, run_http
-from tokenfleet.config import engine_config_from_args
+from tokenfleet.api.http import run_http
+from tokenfleet.logs import configure_logging
+from tokenfleet.engine.config import engine_config_from_args
 from tokenfleet.engine.engine_process import start_engine
 from tokenfleet.replica.server import create_app
 from tokenfleet.router.registry import RegistryKeys, ReplicaAnnouncer, ReplicaRecord

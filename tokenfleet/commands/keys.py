@@ -9,7 +9,8 @@ from datetime import datetime
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from tokenfleet.store.db import Database, resolve_database_url
+from tokenfleet.commands.database import resolve_database_url
+from tokenfleet.store.db import Database
 from tokenfleet.store.records import KeyInfo
 from tokenfleet.store.tenants import TenantStore
 from tokenfleet.table import print_table
@@ -18,7 +19,8 @@ COLUMNS = ("ID", "PREFIX", "ORG", "USER", "NAME", "CREATED", "LAST USED", "STATU
 
 
 def tier_names(config_path: str | None) -> Collection[str]:
-    from tokenfleet.config import FleetConfig, default_tiers
+    from tokenfleet.config import FleetConfig
+    from tokenfleet.dispatch.tiers import default_tiers
 
     return FleetConfig.load(config_path).tiers if config_path else default_tiers()
 

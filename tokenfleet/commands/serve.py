@@ -11,9 +11,11 @@ from pathlib import Path
 import httpx
 from fastapi import FastAPI
 
-from tokenfleet.api.http import configure_logging, run_http
+from tokenfleet.api.http import run_http
+from tokenfleet.logs import configure_logging
 from tokenfleet.autoscale.service import add_autoscaler
-from tokenfleet.config import EngineConfig, FleetConfig, TierConfig, engine_config_from_args
+from tokenfleet.config import FleetConfig, TierConfig
+from tokenfleet.engine.config import EngineConfig, engine_config_from_args
 from tokenfleet.dispatch.overload import OverloadLadder
 from tokenfleet.dispatch.queue import Dispatcher
 from tokenfleet.billing.routes import add_usage_routes
@@ -36,7 +38,8 @@ from tokenfleet.quota.redis import RedisQuota
 from tokenfleet.router.catalog import ModelCatalog
 from tokenfleet.router.registry import ReplicaRegistry
 from tokenfleet.router.router import Router
-from tokenfleet.store.db import Database, resolve_database_url
+from tokenfleet.commands.database import resolve_database_url
+from tokenfleet.store.db import Database
 from tokenfleet.store.tenants import TenantStore
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,8 @@ from datetime import date
 from sqlalchemy.exc import SQLAlchemyError
 
 from tokenfleet.billing.report import UsageFilter, check_groups, unit_costs, usage_report
-from tokenfleet.store.db import Database, resolve_database_url
+from tokenfleet.commands.database import resolve_database_url
+from tokenfleet.store.db import Database
 from tokenfleet.store.tenants import TenantStore
 from tokenfleet.table import print_table
 

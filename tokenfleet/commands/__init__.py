@@ -1,0 +1,1 @@
+"""Entry points: each `tokenfleet` subcommand that composes the components (the top layer)."""

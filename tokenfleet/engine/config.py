@@ -1,0 +1,66 @@
+"""The engine's own options (the same names as vLLM's engine arguments where they exist) and their command-line
+flags. The engine owns this module; it imports nothing above the engine."""
+from __future__ import annotations
+
+import argparse
+import typing
+from dataclasses import MISSING, dataclass, fields
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str = "auto"  # auto = the checkpoint's dtype; or float32 / bfloat16 / float16
+    device: str = "auto"  # auto = cuda when present, else cpu
+    max_model_len: int | None = None  # defaults to the model's context window
+    block_size: int = 16
+    kv_cache_gib: float = 2.0  # KV cache budget on CPU
+    gpu_memory_utilization: float = 0.9  # fraction of free GPU memory the KV cache may take
+    swap_space_gib: float = 1.0  # host memory for swapped-out KV blocks
+    swap_threshold_tokens: int = 512  # preempted sequences this long are swapped, shorter ones recomputed
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    watermark: float = 0.01  # fraction of blocks kept free when admitting, headroom for running sequences
+    enable_prefix_caching: bool = True
+    skip_tokenizer_init: bool = False
+    threads: int = 0  # PyTorch threads; 0 = auto (servers: every usable core but one; offline: PyTorch's default)
+    engine_process: bool = True  # servers: the engine steps in its own process, not on a thread beside the HTTP loop
+
+    @classmethod
+    def from_options(cls, model: str, **options) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(model=model, **options)
+
+    def resolved_device(self) -> "torch.device":
+        import torch  # here, so the gateway's configuration does not load PyTorch
+
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
+    """One --flag per EngineConfig field (underscores become dashes), with the field's default and type."""
+    hints = typing.get_type_hints(EngineConfig)
+    for f in fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        if f.name == "model":
+            parser.add_argument(flag, required=model_required, default=None, help="Hugging Face checkpoint folder")
+        elif kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
+            default = None if f.default is MISSING else f.default
+            parser.add_argument(flag, type=base, default=default, help=f"default: {default}")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})

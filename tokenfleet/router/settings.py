@@ -1,0 +1,71 @@
+"""`routing:` in fleet.yaml: the policy and its load bound, health checks, product rules, canaries and shadows."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenfleet.router.catalog import RoutingRule
+from tokenfleet.router.health import HealthSettings
+from tokenfleet.router.policy import POLICIES
+from tokenfleet.settings import section
+
+
+@dataclass
+class Canary:
+    """A share of the requests for `model` (a version or an alias) goes to the `version` under test, per tier."""
+
+    model: str
+    version: str
+    percent: dict[str, float] = field(default_factory=dict)  # tier -> percent; "default" for the others
+
+    def share(self, tier: str) -> float:
+        return self.percent.get(tier, self.percent.get("default", 0.0)) / 100.0
+
+
+@dataclass
+class Shadow:
+    """A copy of `percent`% of the requests for `model` also goes to `candidate`; its output is discarded and its
+    latency recorded beside the primary's."""
+
+    model: str
+    candidate: str
+    percent: float = 100.0
+
+
+@dataclass
+class RoutingSettings:
+    policy: str = "cache_aware"
+    load_bound: float = 1.25  # a cached replica above this x the pool's average load is passed over
+    block_size: int = 16  # must match the replicas' engine block size for prefix hashes to agree
+    load_interval_s: float = 1.0
+    max_retries: int = 2  # a replica dying mid-response: the request continues on another, this many times
+    replica_timeout_s: float = 30.0  # longest wait for a replica's next byte: a hung replica fails the attempt
+    register_prefix: str = "tokenfleet:replicas:"  # the Redis replica registry (when the fleet has redis_url)
+    health: HealthSettings = field(default_factory=HealthSettings)
+    rules: dict[str, list] = field(default_factory=dict)  # routing alias -> rules (see catalog.RoutingRule)
+    canary: list[Canary] = field(default_factory=list)
+    shadow: list[Shadow] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.load_bound < 1.0 or self.block_size < 1 or self.max_retries < 0 or self.load_interval_s <= 0:
+            raise ValueError("load_bound >= 1, block_size >= 1, max_retries >= 0 and load_interval_s > 0 please")
+        for canary in self.canary:
+            if any(not 0 <= p <= 100 for p in canary.percent.values()):
+                raise ValueError(f"canary {canary.model}: percentages go from 0 to 100")
+
+
+def routing_from_dict(raw: dict | None, where: str) -> RoutingSettings:
+    """`routing:` in fleet.yaml: the policy and its bound, health checks, product rules, canaries, shadows."""
+    raw = dict(raw or {})
+    try:
+        health = section(HealthSettings, raw.pop("health", None), f"{where}.health")
+        rules = {alias: [RoutingRule(**r) for r in rules] for alias, rules in (raw.pop("rules", None) or {}).items()}
+        canary = [Canary(**c) for c in raw.pop("canary", None) or []]
+        shadow = [Shadow(**s) for s in raw.pop("shadow", None) or []]
+    except TypeError as e:
+        raise ValueError(f"{where}: {e}") from None
+    settings = section(RoutingSettings, raw, where)
+    settings.health, settings.rules, settings.canary, settings.shadow = health, rules, canary, shadow
+    settings.__post_init__()
+    return settings

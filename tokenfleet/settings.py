@@ -1,0 +1,18 @@
+"""Reading one settings section of a YAML file into its dataclass; every component owns its section's dataclass."""
+from __future__ import annotations
+
+from dataclasses import fields
+
+
+def section(cls, raw: dict | None, where: str):
+    """A settings dataclass from its YAML mapping; unknown keys and bad values are start-up errors naming `where`."""
+    raw = dict(raw or {})
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    raw = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
+    try:
+        return cls(**raw)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from None

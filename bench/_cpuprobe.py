@@ -2,6 +2,7 @@
 _vllm_worker.py inside the vLLM venv.)
 
     probe = CpuProbe(); probe.start(); ...timed work...; others = probe.stop(wall_s)
+    result, wall_s, others = timed_run(work, *args)   # the same around one call
 
 `others` = (CPU time of the whole machine, from /proc/stat) - (CPU time of this process and its descendants, from
 /proc/PID/stat), as a fraction of wall_s x cores.  ~0 on a quiet machine; 0.5 on 2 cores = one core's worth of
@@ -14,6 +15,7 @@ the window is lost (counted as others').
 """
 
 import os
+import time
 
 _HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -35,7 +37,7 @@ def _tree_ticks(root: int) -> int:
                 data = f.read()
         except OSError:
             continue
-        rest = data[data.rfind(")") + 2:].split()
+        rest = data[data.rfind(")") + 2 :].split()
         # fields after "(comm)": state ppid ... utime(12th) stime(13th) cutime cstime
         stats[int(name)] = (int(rest[1]), int(rest[11]) + int(rest[12]) + int(rest[13]) + int(rest[14]))
     children: dict[int, list[int]] = {}
@@ -75,3 +77,13 @@ class CpuProbe:
         self.pids_cpu_s = extra / _HZ  # CPU seconds the given pids used in the window
         own += extra
         return max(0.0, (busy - own) / _HZ / (wall_s * (os.cpu_count() or 1)))
+
+
+def timed_run(work, *args):
+    """(work(*args), its wall seconds, the share of the CPUs other processes used meanwhile)."""
+    probe = CpuProbe()
+    probe.start()
+    t = time.perf_counter()
+    result = work(*args)
+    wall = time.perf_counter() - t
+    return result, wall, probe.stop(wall)

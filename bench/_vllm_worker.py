@@ -13,7 +13,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _cpuprobe import CpuProbe  # noqa: E402  (stdlib only)
+from _cpuprobe import timed_run  # noqa: E402  (stdlib only)
 
 
 def main(spec_path: str, out_path: str) -> None:
@@ -30,41 +30,44 @@ def main(spec_path: str, out_path: str) -> None:
 
     torch.set_num_threads(spec["threads"])
     t = time.perf_counter()
-    llm = LLM(model=spec["model_dir"], dtype="float32", enforce_eager=True, max_model_len=spec["max_model_len"],
-              seed=0)
+    llm = LLM(model=spec["model_dir"], dtype="float32", enforce_eager=True, max_model_len=spec["max_model_len"], seed=0)
     load_s = time.perf_counter() - t
 
     def run(rs):
         prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in rs]
-        sps = [SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, temperature=0, detokenize=False)
-               for r in rs]
+        sps = [SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, temperature=0, detokenize=False) for r in rs]
         outs = llm.generate(prompts, sps, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    warm = [{"prompt_token_ids": r["prompt_token_ids"], "max_tokens": spec["warmup_tokens"]}
-            for r in reqs[: spec["warmup_requests"]]]
+    warm = [
+        {"prompt_token_ids": r["prompt_token_ids"], "max_tokens": spec["warmup_tokens"]}
+        for r in reqs[: spec["warmup_requests"]]
+    ]
     run(warm)
-    probe = CpuProbe()
-    probe.start()
-    t = time.perf_counter()
-    outputs = run(reqs)
-    wall = time.perf_counter() - t
-    others = probe.stop(wall)
+    outputs, wall, others = timed_run(run, reqs)
 
     sched = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
     sched = getattr(sched, "scheduler_config", None)
     extra = ""
     if sched is not None:
-        extra = (f"; max_num_seqs {getattr(sched, 'max_num_seqs', '?')}, "
-                 f"max_num_batched_tokens {getattr(sched, 'max_num_batched_tokens', '?')}")
+        extra = (
+            f"; max_num_seqs {getattr(sched, 'max_num_seqs', '?')}, "
+            f"max_num_batched_tokens {getattr(sched, 'max_num_batched_tokens', '?')}"
+        )
     result = {
-        "wall_s": wall, "load_s": load_s, "outputs": outputs, "version": vllm.__version__, "others_cpu": others,
+        "wall_s": wall,
+        "load_s": load_s,
+        "outputs": outputs,
+        "version": vllm.__version__,
+        "others_cpu": others,
         "torch": torch.__version__,
-        "notes": (f"LLM(dtype=float32, enforce_eager=True, max_model_len={spec['max_model_len']}), "
-                  f"VLLM_CPU_KVCACHE_SPACE={os.environ.get('VLLM_CPU_KVCACHE_SPACE')} GiB, "
-                  f"VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND', 'auto')}, "
-                  f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '') or '-'}, "
-                  f"SamplingParams(ignore_eos=True, temperature=0, detokenize=False), TokensPrompt inputs{extra}"),
+        "notes": (
+            f"LLM(dtype=float32, enforce_eager=True, max_model_len={spec['max_model_len']}), "
+            f"VLLM_CPU_KVCACHE_SPACE={os.environ.get('VLLM_CPU_KVCACHE_SPACE')} GiB, "
+            f"VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND', 'auto')}, "
+            f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '') or '-'}, "
+            f"SamplingParams(ignore_eos=True, temperature=0, detokenize=False), TokensPrompt inputs{extra}"
+        ),
     }
     with open(out_path, "w") as f:
         json.dump(result, f)

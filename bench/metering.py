@@ -51,6 +51,7 @@ rows are matched to the requests sent by x-request-id: none missing, none extra,
 
 Output: a markdown report (--out) and a JSON next to it; server logs and raw rows stay in the run dir.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,49 +68,87 @@ import tempfile
 import time
 import uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(HERE), str(REPO)]
-from _cpuprobe import CpuProbe  # noqa: E402
-from offline_throughput import CONTENDED, checkpoint_info, ensure_checkpoint, machine_info  # noqa: E402
-from served_load import (ADMIN_KEY, SERVED_NAME, PortAllocator, Server, _base_env, auth_headers,  # noqa: E402
-                         gateway_env, make_workload, pct, run_rate, run_warmup, summarize, tokenfleet_cmd,
-                         wait_idle, write_fleet_yaml)
-
 import redis  # noqa: E402
+from _common import (  # noqa: E402
+    CONTENDED,
+    bench_parser,
+    command_line,
+    git_head,
+    known_names,
+    make_run_dir,
+    pct,
+    repo_env,
+    report_to_rerender,
+    wait_idle,
+)
+from _cpuprobe import CpuProbe  # noqa: E402
+from offline_throughput import checkpoint_info, ensure_checkpoint, machine_info  # noqa: E402
+from served_load import (  # noqa: E402
+    ADMIN_KEY,
+    SERVED_NAME,
+    PortAllocator,
+    Server,
+    auth_headers,
+    gateway_env,
+    make_workload,
+    run_rate,
+    run_warmup,
+    summarize,
+    tokenfleet_cmd,
+    write_fleet_yaml,
+)
 from sqlalchemy import event, select, text  # noqa: E402
 
-from tests.store.backends import (POSTGRES_ADMIN_URL, create_postgres_database, database_url,  # noqa: E402
-                                  drop_postgres_database)
-from tokenfleet.metering import (MemoryLog, Outbox, OutboxShipper, RedisStreamLog, UsageEvent,  # noqa: E402
-                                 WarehouseWriter)
-from tokenfleet.metering.log import EventLog, log as metering_log  # noqa: E402
+from tests.store.backends import POSTGRES_ADMIN_URL, create_postgres_database, database_url, drop_postgres_database  # noqa: E402
+from tokenfleet.metering import MemoryLog, Outbox, OutboxShipper, RedisStreamLog, UsageEvent, WarehouseWriter  # noqa: E402
+from tokenfleet.metering.log import EventLog  # noqa: E402
+from tokenfleet.metering.log import log as metering_log  # noqa: E402
 from tokenfleet.metering.outbox import OUTBOX  # noqa: E402
 from tokenfleet.metering.recorder import UsageRecorder  # noqa: E402
 from tokenfleet.metering.sql import insert_ignoring  # noqa: E402
 from tokenfleet.store.db import Database  # noqa: E402
 from tokenfleet.store.models import UsageEventRow, utcnow  # noqa: E402
 
-STAGES = ["transaction", "outbox_close", "recorder", "recorder_unbatched", "recorder_burst", "recorder_sequential",
-          "ship", "warehouse", "end_to_end"]
-STAGE_LABELS = {"transaction": "floor: one empty transaction (SELECT 1) per event",
-                "outbox_close": "Outbox.close alone (one transaction per event)",
-                "recorder": "UsageRecorder: open + close of every request",
-                "recorder_unbatched": "the same with batch_s 0 (batches form only behind a write in flight)",
-                "recorder_burst": "UsageRecorder: requests that start and end at once (opens skipped)",
-                "recorder_sequential": "UsageRecorder: one request at a time (10 ms each), net CPU per request",
-                "ship": "ship (outbox -> log)", "warehouse": "warehouse writes (log -> usage_events)",
-                "end_to_end": "**end to end**"}
+STAGES = [
+    "transaction",
+    "outbox_close",
+    "recorder",
+    "recorder_unbatched",
+    "recorder_burst",
+    "recorder_sequential",
+    "ship",
+    "warehouse",
+    "end_to_end",
+]
+STAGE_LABELS = {
+    "transaction": "floor: one empty transaction (SELECT 1) per event",
+    "outbox_close": "Outbox.close alone (one transaction per event)",
+    "recorder": "UsageRecorder: open + close of every request",
+    "recorder_unbatched": "the same with batch_s 0 (batches form only behind a write in flight)",
+    "recorder_burst": "UsageRecorder: requests that start and end at once (opens skipped)",
+    "recorder_sequential": "UsageRecorder: one request at a time (10 ms each), net CPU per request",
+    "ship": "ship (outbox -> log)",
+    "warehouse": "warehouse writes (log -> usage_events)",
+    "end_to_end": "**end to end**",
+}
 RECORDER_OPTIONS = {"recorder_unbatched": {"batch_s": 0.0}}  # UsageRecorder options other than the defaults
-BACKEND_LABELS = {"embedded": "embedded: SQLite + MemoryLog + SQLite",
-                  "fleet": "fleet: PostgreSQL + Redis Stream + PostgreSQL"}
-SYSTEM_LABELS = {"serve": "tokenfleet serve (embedded: SQLite, MemoryLog)",
-                 "gateway": "tokenfleet gateway + replica (fleet: PostgreSQL, Redis Stream)"}
+BACKEND_LABELS = {
+    "embedded": "embedded: SQLite + MemoryLog + SQLite",
+    "fleet": "fleet: PostgreSQL + Redis Stream + PostgreSQL",
+}
+SYSTEM_LABELS = {
+    "serve": "tokenfleet serve (embedded: SQLite, MemoryLog)",
+    "gateway": "tokenfleet gateway + replica (fleet: PostgreSQL, Redis Stream)",
+}
 TIERS = ("enterprise", "paid", "free", "batch")
 SEQUENTIAL_REQUEST_S = 0.01
 
@@ -118,17 +157,31 @@ SEQUENTIAL_REQUEST_S = 0.01
 # events and backends
 # ----------------------------------------------------------------------------------------------------------------- #
 
+
 def usage_event(tag: str, i: int, final: bool = True) -> UsageEvent:
     """A plausible event ending now (the provisional one of an open row has no output yet)."""
     latency = 1.0 + (i % 40) / 10
     end = utcnow()
     return UsageEvent(
-        request_id=f"chatcmpl-{tag}-{i:07d}", org_id=f"org_{i % 50:04d}", user_id=f"user_{i % 500:05d}",
-        key_id=f"key_{i % 500:05d}", model="demo-2026-01-01", replica="http://10.0.3.17:8100", pool="eu-west",
-        tier=TIERS[i % 4], input_tokens=200 + i % 800, cached_tokens=(i % 7) * 16, output_tokens=(i % 256) if final
-        else 0, ttft_s=0.12, latency_s=latency, status="finished",
+        request_id=f"chatcmpl-{tag}-{i:07d}",
+        org_id=f"org_{i % 50:04d}",
+        user_id=f"user_{i % 500:05d}",
+        key_id=f"key_{i % 500:05d}",
+        model="demo-2026-01-01",
+        replica="http://10.0.3.17:8100",
+        pool="eu-west",
+        tier=TIERS[i % 4],
+        input_tokens=200 + i % 800,
+        cached_tokens=(i % 7) * 16,
+        output_tokens=(i % 256) if final else 0,
+        ttft_s=0.12,
+        latency_s=latency,
+        status="finished",
         route="demo@2026-01-01 pool=eu-west replica=http://10.0.3.17:8100 reason=prefix matched=12",
-        started_at=end - timedelta(seconds=latency), ended_at=end, engine_s=0.4)
+        started_at=end - timedelta(seconds=latency),
+        ended_at=end,
+        engine_s=0.4,
+    )
 
 
 @dataclass
@@ -189,6 +242,7 @@ async def lags(db: Database) -> list[float]:
 # pipeline stages
 # ----------------------------------------------------------------------------------------------------------------- #
 
+
 async def concurrently(op: Callable[[int], Awaitable[None]], events: int, writers: int) -> list[float]:
     """`writers` coroutines call op(i) for i in 0..events-1 between them; returns each call's time (s)."""
     indexes, latencies = iter(range(events)), []
@@ -198,13 +252,17 @@ async def concurrently(op: Callable[[int], Awaitable[None]], events: int, writer
             start = time.perf_counter()
             await op(i)
             latencies.append(time.perf_counter() - start)
+
     await asyncio.gather(*(writer() for _ in range(writers)))
     return latencies
 
 
 def latency_fields(latencies: list[float]) -> dict:
-    return {"write_p50_ms": 1e3 * pct(latencies, 50), "write_p99_ms": 1e3 * pct(latencies, 99),
-            "write_max_ms": 1e3 * max(latencies)}
+    return {
+        "write_p50_ms": 1e3 * pct(latencies, 50),
+        "write_p99_ms": 1e3 * pct(latencies, 99),
+        "write_max_ms": 1e3 * max(latencies),
+    }
 
 
 async def close_events(outbox: Outbox, tag: str, events: int, writers: int) -> tuple[list[float], dict[str, int]]:
@@ -221,6 +279,7 @@ async def close_events(outbox: Outbox, tag: str, events: int, writers: int) -> t
                 name = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
                 errors[name] = errors.get(name, 0) + 1
                 await asyncio.sleep(0.1)
+
     return await concurrently(close, events, writers), errors
 
 
@@ -259,7 +318,7 @@ class WarningCount(logging.Handler):
             key += f": {type(error).__name__}: {str(error).splitlines()[0][:80] if str(error) else ''}"
         self.count[key] = self.count.get(key, 0) + 1
 
-    def __enter__(self) -> "WarningCount":
+    def __enter__(self) -> WarningCount:
         metering_log.addHandler(self)
         return self
 
@@ -269,8 +328,16 @@ class WarningCount(logging.Handler):
 
 async def fill_outbox(db: Database, tag: str, events: int) -> None:
     """Closed, unsent rows, written in bulk (not timed)."""
-    rows = [{"request_id": e.request_id, "payload": e.to_json(), "created_at": utcnow(), "sent_at": None,
-             "lease_until": None} for e in (usage_event(tag, i) for i in range(events))]
+    rows = [
+        {
+            "request_id": e.request_id,
+            "payload": e.to_json(),
+            "created_at": utcnow(),
+            "sent_at": None,
+            "lease_until": None,
+        }
+        for e in (usage_event(tag, i) for i in range(events))
+    ]
     async with db.session() as session, session.begin():
         await insert_ignoring(session, OUTBOX, rows, key="request_id")
 
@@ -286,11 +353,11 @@ async def stage_outbox_close(db: Database, log: EventLog, tag: str, n: int, args
     async def work() -> dict:
         latencies, errors = await close_events(outbox, tag, n, args.writers)
         return latency_fields(latencies) | {"write_errors": errors}
+
     return work
 
 
-async def stage_recorder(db: Database, log: EventLog, tag: str, n: int, args, stage: str, options: dict
-                         ) -> Callable:
+async def stage_recorder(db: Database, log: EventLog, tag: str, n: int, args, stage: str, options: dict) -> Callable:
     recorder = UsageRecorder(Outbox(db), **options)
     idle_cpu_s = await idle_cpu(n) if stage == "recorder_sequential" else 0.0
 
@@ -301,6 +368,7 @@ async def stage_recorder(db: Database, log: EventLog, tag: str, n: int, args, st
             else:
                 await record(recorder, tag, n, stage == "recorder_burst", args.drain_timeout)
         return {"write_errors": warnings.count, "unsaved": len(recorder.unsaved), "idle_cpu_s": idle_cpu_s}
+
     return work
 
 
@@ -323,12 +391,14 @@ async def idle_cpu(events: int) -> float:
 
 async def stage_transaction(db: Database, n: int, args) -> Callable:
     """The floor under every outbox write: a session, BEGIN, one trivial statement, COMMIT (no row written)."""
+
     async def one(_: int) -> None:
         async with db.session() as session, session.begin():
             await session.execute(text("SELECT 1"))
 
     async def work() -> dict:
         return latency_fields(await concurrently(one, n, args.writers))
+
     return work
 
 
@@ -341,6 +411,7 @@ async def stage_ship(db: Database, log: EventLog, tag: str, n: int, args) -> Cal
         while await shipper.ship_once():
             pass
         return {"shipped": shipper.shipped, "left": await outbox.pending_count()}
+
     return work
 
 
@@ -352,6 +423,7 @@ async def stage_warehouse(db: Database, log: EventLog, tag: str, n: int, args) -
         while writer.written < n and await writer.drain_once(block_ms=0):
             pass
         return {"written": writer.written, "duplicates": writer.duplicates}
+
     return work
 
 
@@ -375,8 +447,14 @@ async def stage_end_to_end(db: Database, log: EventLog, tag: str, n: int, args) 
                 task.cancel()
             await asyncio.gather(*services, return_exceptions=True)
         tail = time.perf_counter() - start - written_s  # after the last outbox write, until the last row
-        return {"outbox_s": written_s, "tail_s": tail, "written": writer.written, "duplicates": writer.duplicates,
-                "write_errors": warnings.count}
+        return {
+            "outbox_s": written_s,
+            "tail_s": tail,
+            "written": writer.written,
+            "duplicates": writer.duplicates,
+            "write_errors": warnings.count,
+        }
+
     return work
 
 
@@ -384,14 +462,21 @@ async def check_end_to_end(db: Database, result: dict, events: int) -> None:
     """Lag percentiles and exactly-once, read after the timed window."""
     rows, distinct = await count_rows(db)
     lag = await lags(db)
-    result.update(rows=rows, distinct=distinct, exact=rows == distinct == events,
-                  lag_p50_ms=1e3 * pct(lag, 50), lag_p99_ms=1e3 * pct(lag, 99), lag_max_ms=1e3 * max(lag))
+    result.update(
+        rows=rows,
+        distinct=distinct,
+        exact=rows == distinct == events,
+        lag_p50_ms=1e3 * pct(lag, 50),
+        lag_p99_ms=1e3 * pct(lag, 99),
+        lag_max_ms=1e3 * max(lag),
+    )
 
 
 async def run_stage(backend: Backend, stage: str, rep: int, args) -> dict:
     tag = f"{stage}-{rep}-{uuid.uuid4().hex[:6]}"
-    n = {"ship": args.bulk_events, "warehouse": args.bulk_events,
-         "recorder_sequential": args.sequential_events}.get(stage, args.events)
+    n = {"ship": args.bulk_events, "warehouse": args.bulk_events, "recorder_sequential": args.sequential_events}.get(
+        stage, args.events
+    )
     db, log = await backend.open(tag)
     try:
         if stage == "transaction":
@@ -401,8 +486,9 @@ async def run_stage(backend: Backend, stage: str, rep: int, args) -> dict:
         elif stage == "outbox_close":
             work = await stage_outbox_close(db, log, tag, n, args)
         else:
-            work = await {"ship": stage_ship, "warehouse": stage_warehouse,
-                          "end_to_end": stage_end_to_end}[stage](db, log, tag, n, args)
+            work = await {"ship": stage_ship, "warehouse": stage_warehouse, "end_to_end": stage_end_to_end}[stage](
+                db, log, tag, n, args
+            )
         connects = connections_opened(db)
         result = await timed(work, lambda: backend.server_pids(db))
         result["connections_opened"] = connects[0]
@@ -413,9 +499,14 @@ async def run_stage(backend: Backend, stage: str, rep: int, args) -> dict:
             await log.redis.delete(log.stream_key)
         await log.close()
         await db.close()
-    result.update(stage=stage, rep=rep, events=n, per_s=n / result["wall_s"],
-                  cpu_us_per_event=1e6 * (result["process_cpu_s"] - result.get("idle_cpu_s", 0.0)) / n,
-                  server_cpu_us_per_event=1e6 * (result["server_cpu_s"] or 0) / n)
+    result.update(
+        stage=stage,
+        rep=rep,
+        events=n,
+        per_s=n / result["wall_s"],
+        cpu_us_per_event=1e6 * (result["process_cpu_s"] - result.get("idle_cpu_s", 0.0)) / n,
+        server_cpu_us_per_event=1e6 * (result["server_cpu_s"] or 0) / n,
+    )
     return result
 
 
@@ -425,6 +516,7 @@ def connections_opened(db: Database) -> list[int]:
 
     def opened(*_: object) -> None:
         count[0] += 1
+
     event.listen(db.engine.sync_engine, "connect", opened)
     return count
 
@@ -445,15 +537,24 @@ async def timed(work: Callable[[], Awaitable[dict]], pids: Callable[[], Awaitabl
 def median_row(runs: list[dict]) -> dict:
     """Medians over repetitions of every numeric field."""
     keys = [k for k, v in runs[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "rep"]
-    row = {k: statistics.median(r[k] for r in runs if r.get(k) is not None) for k in keys
-           if any(r.get(k) is not None for r in runs)}
-    row.update(stage=runs[0]["stage"], runs=len(runs), others_cpu_each=[_round(r.get("others_cpu")) for r in runs],
-               per_s_each=[round(r["per_s"]) for r in runs])
+    row = {
+        k: statistics.median(r[k] for r in runs if r.get(k) is not None)
+        for k in keys
+        if any(r.get(k) is not None for r in runs)
+    }
+    row.update(
+        stage=runs[0]["stage"],
+        runs=len(runs),
+        others_cpu_each=[_round(r.get("others_cpu")) for r in runs],
+        per_s_each=[round(r["per_s"]) for r in runs],
+    )
     if "exact" in runs[0]:
         row["exact"] = all(r["exact"] for r in runs)
     if "write_errors" in runs[0]:  # summed over the runs
-        row["write_errors"] = {k: sum(r["write_errors"].get(k, 0) for r in runs)
-                               for k in sorted({k for r in runs for k in r["write_errors"]})}
+        row["write_errors"] = {
+            k: sum(r["write_errors"].get(k, 0) for r in runs)
+            for k in sorted({k for r in runs for k in r["write_errors"]})
+        }
     return row
 
 
@@ -464,18 +565,27 @@ def _round(x: float | None) -> float | None:
 def pipeline_part(backend: Backend, args) -> list[dict]:
     rows = []
     for stage in args.stages:
-        busy = wait_idle(f"{backend.kind} {stage}", args.wait_idle)
+        busy = wait_idle(args.wait_idle, f"{backend.kind} {stage}")
         runs = [asyncio.run(run_stage(backend, stage, rep, args)) for rep in range(args.repeats)]
         rows.append(median_row(runs) | {"cpu_busy_before": busy, "raw": runs})
         r = rows[-1]
-        print(f"[{backend.kind}] {stage}: {r['per_s']:.0f} events/s (runs {r['per_s_each']}), "
-              f"{r['connections_opened']:.0f} connections opened, "
-              f"{r['cpu_us_per_event']:.0f} us CPU/event in this process, other CPU {r['others_cpu_each']}"
-              + (f", lag p50/p99 {r['lag_p50_ms']:.0f}/{r['lag_p99_ms']:.0f} ms, exactly once: {r['exact']}"
-                 if stage == "end_to_end" else "")
-              + (f", write p50/p99/max {r['write_p50_ms']:.0f}/{r['write_p99_ms']:.0f}/{r['write_max_ms']:.0f} ms"
-                 if "write_p50_ms" in r else "")
-              + (f", failed writes (retried) {r['write_errors']}" if r.get("write_errors") else ""), flush=True)
+        print(
+            f"[{backend.kind}] {stage}: {r['per_s']:.0f} events/s (runs {r['per_s_each']}), "
+            f"{r['connections_opened']:.0f} connections opened, "
+            f"{r['cpu_us_per_event']:.0f} us CPU/event in this process, other CPU {r['others_cpu_each']}"
+            + (
+                f", lag p50/p99 {r['lag_p50_ms']:.0f}/{r['lag_p99_ms']:.0f} ms, exactly once: {r['exact']}"
+                if stage == "end_to_end"
+                else ""
+            )
+            + (
+                f", write p50/p99/max {r['write_p50_ms']:.0f}/{r['write_p99_ms']:.0f}/{r['write_max_ms']:.0f} ms"
+                if "write_p50_ms" in r
+                else ""
+            )
+            + (f", failed writes (retried) {r['write_errors']}" if r.get("write_errors") else ""),
+            flush=True,
+        )
     return rows
 
 
@@ -483,26 +593,45 @@ def pipeline_part(backend: Backend, args) -> list[dict]:
 # lag under served load
 # ----------------------------------------------------------------------------------------------------------------- #
 
+
 def served_args(args) -> argparse.Namespace:
     """What bench/served_load.py's helpers read from their own command line, with its defaults."""
     return argparse.Namespace(
-        model=args.model, size=args.size, builtin_checkpoint=False, ckpt_root=args.ckpt_root, seed=0,
-        num_requests=args.lag_requests, prompt_min=16, prompt_max=512, output_min=8, output_max=256,
-        overhead_requests=0, threads=args.threads, kv_cache_gib=args.kv_cache_gib, tokenfleet_args="")
+        model=args.model,
+        size=args.size,
+        builtin_checkpoint=False,
+        ckpt_root=args.ckpt_root,
+        seed=0,
+        num_requests=args.lag_requests,
+        prompt_min=16,
+        prompt_max=512,
+        output_min=8,
+        output_max=256,
+        overhead_requests=0,
+        threads=args.threads,
+        kv_cache_gib=args.kv_cache_gib,
+        tokenfleet_args="",
+    )
 
 
 def fleet_extra(backend: Backend) -> dict:
     """The fleet file's PostgreSQL and Redis, every Redis key under the benchmark's prefix."""
     p = backend.prefix
-    return {"database_url": backend.postgres_url, "redis_url": backend.redis_url, "redis_prefix": p + "stream:",
-            "quota": {"prefix": p + "quota:"}, "routing": {"register_prefix": p + "replicas:"},
-            "metering": {"stream_key": p + "usage:served", "consumer": "bench-gateway"}}
+    return {
+        "database_url": backend.postgres_url,
+        "redis_url": backend.redis_url,
+        "redis_prefix": p + "stream:",
+        "quota": {"prefix": p + "quota:"},
+        "routing": {"register_prefix": p + "replicas:"},
+        "metering": {"stream_key": p + "usage:served", "consumer": "bench-gateway"},
+    }
 
 
-def lag_servers(system: str, sargs, model_dir: Path, run_dir: Path, ports, backend: Backend | None
-                ) -> tuple[list[Server], str]:
+def lag_servers(
+    system: str, sargs, model_dir: Path, run_dir: Path, ports, backend: Backend | None
+) -> tuple[list[Server], str]:
     """(servers in start order, the database URL the gateway meters into)."""
-    env = _base_env(sargs)
+    env = repo_env(sargs.threads)
     if system == "serve":  # a database of its own
         url = f"sqlite:///{run_dir / 'serve.db'}"
         p = ports()
@@ -512,21 +641,37 @@ def lag_servers(system: str, sargs, model_dir: Path, run_dir: Path, ports, backe
     rp, gp = ports(), ports()
     cfg = run_dir / "fleet.yaml"
     write_fleet_yaml(cfg, model_dir, gp, rp, run_dir / "unused.db", fleet_extra(backend))
-    replica = Server("replica", tokenfleet_cmd("replica", sargs, model_dir, rp), rp, env,
-                     run_dir / "log_replica.txt", run_dir)
-    gateway = Server("gateway", [sys.executable, "-m", "tokenfleet", "gateway", "--config", str(cfg)], gp,
-                     gateway_env(sargs), run_dir / "log_gateway.txt", run_dir)
+    replica = Server(
+        "replica", tokenfleet_cmd("replica", sargs, model_dir, rp), rp, env, run_dir / "log_replica.txt", run_dir
+    )
+    gateway = Server(
+        "gateway",
+        [sys.executable, "-m", "tokenfleet", "gateway", "--config", str(cfg)],
+        gp,
+        gateway_env(sargs),
+        run_dir / "log_gateway.txt",
+        run_dir,
+    )
     gateway.admin_key = ADMIN_KEY
     return [replica, gateway], backend.postgres_url
 
 
 async def warehouse_rows(url: str) -> list[dict]:
     async with Database(url) as db, db.session() as session:
-        rows = (await session.execute(select(UsageEventRow.request_id, UsageEventRow.ended_at,
-                                             UsageEventRow.created_at, UsageEventRow.output_tokens,
-                                             UsageEventRow.status))).all()
-    return [{"request_id": r[0], "ended_at": r[1], "created_at": r[2], "output_tokens": r[3], "status": r[4]}
-            for r in rows]
+        rows = (
+            await session.execute(
+                select(
+                    UsageEventRow.request_id,
+                    UsageEventRow.ended_at,
+                    UsageEventRow.created_at,
+                    UsageEventRow.output_tokens,
+                    UsageEventRow.status,
+                )
+            )
+        ).all()
+    return [
+        {"request_id": r[0], "ended_at": r[1], "created_at": r[2], "output_tokens": r[3], "status": r[4]} for r in rows
+    ]
 
 
 def wait_for_rows(url: str, ids: set[str], timeout: float) -> list[dict]:
@@ -541,8 +686,12 @@ def wait_for_rows(url: str, ids: set[str], timeout: float) -> list[dict]:
 
 def lag_stats(rows: list[dict]) -> dict:
     lag = [(r["created_at"] - r["ended_at"]).total_seconds() for r in rows]
-    return {"rows": len(rows), "lag_p50_ms": _ms(pct(lag, 50)), "lag_p99_ms": _ms(pct(lag, 99)),
-            "lag_max_ms": _ms(max(lag, default=None))}
+    return {
+        "rows": len(rows),
+        "lag_p50_ms": _ms(pct(lag, 50)),
+        "lag_p99_ms": _ms(pct(lag, 99)),
+        "lag_max_ms": _ms(max(lag, default=None)),
+    }
 
 
 def _ms(x: float | None) -> float | None:
@@ -554,18 +703,28 @@ def account(rows: list[dict], sent: list[dict]) -> dict:
     ids = [r.get("request_id") for r in sent]
     by_id = {r["request_id"]: r for r in rows}
     client_tokens = sum(r["output_tokens"] for r in sent if r["ok"])
-    return {"sent": len(sent), "without_id": ids.count(None), "missing": len(set(ids) - set(by_id) - {None}),
-            "extra": len(set(by_id) - set(ids)), "doubled": len(ids) - len(set(ids)),  # one id for two requests
-            "statuses": dict(sorted(Counter(r["status"] for r in rows).items())),
-            "output_tokens_client": client_tokens,
-            "output_tokens_warehouse": sum(by_id[i]["output_tokens"] for i in ids if i in by_id)}
+    return {
+        "sent": len(sent),
+        "without_id": ids.count(None),
+        "missing": len(set(ids) - set(by_id) - {None}),
+        "extra": len(set(by_id) - set(ids)),
+        "doubled": len(ids) - len(set(ids)),  # one id for two requests
+        "statuses": dict(sorted(Counter(r["status"] for r in rows).items())),
+        "output_tokens_client": client_tokens,
+        "output_tokens_warehouse": sum(by_id[i]["output_tokens"] for i in ids if i in by_id),
+    }
 
 
-def run_lag_system(system: str, args, sargs, model_dir: Path, wl: dict, run_dir: Path, ports,
-                   backend: Backend | None) -> dict:
+def run_lag_system(
+    system: str, args, sargs, model_dir: Path, wl: dict, run_dir: Path, ports, backend: Backend | None
+) -> dict:
     servers, url = lag_servers(system, sargs, model_dir, run_dir, ports, backend)
-    row: dict = {"system": system, "label": SYSTEM_LABELS[system], "rates": {},
-                 "commands": [" ".join(shlex.quote(c) for c in s.cmd) for s in servers]}
+    row: dict = {
+        "system": system,
+        "label": SYSTEM_LABELS[system],
+        "rates": {},
+        "commands": [" ".join(shlex.quote(c) for c in s.cmd) for s in servers],
+    }
     sent: list[dict] = []
     by_rate: dict[str, set[str]] = {}  # the request ids of each rate
     try:
@@ -584,9 +743,13 @@ def run_lag_system(system: str, args, sargs, model_dir: Path, wl: dict, run_dir:
             sent += recs
             by_rate[rate] = {r["request_id"] for r in recs if r.get("request_id")}
             load = summarize(recs, wall, 2.0, 0.1)
-            row["rates"][rate] = {"load": {k: load[k] for k in ("requests", "completed", "req_s", "output_tok_s",
-                                                                "ttft_p50", "e2e_p99", "errors")},
-                                  "others_cpu": others}
+            row["rates"][rate] = {
+                "load": {
+                    k: load[k]
+                    for k in ("requests", "completed", "req_s", "output_tok_s", "ttft_p50", "e2e_p99", "errors")
+                },
+                "others_cpu": others,
+            }
         t = time.perf_counter()
         rows = wait_for_rows(url, {r["request_id"] for r in sent if r.get("request_id")}, args.drain_timeout)
         row["settle_s"] = time.perf_counter() - t
@@ -598,10 +761,15 @@ def run_lag_system(system: str, args, sargs, model_dir: Path, wl: dict, run_dir:
     row["overall"] = lag_stats(rows) | account(rows, sent)
     (run_dir / f"rows_{system}.json").write_text(json.dumps(rows, default=str))
     o = row["overall"]
-    print(f"[{system}] {o['rows']} rows for {o['sent']} requests (missing {o['missing']}, extra {o['extra']}, "
-          f"doubled {o['doubled']}); lag p50/p99 {o['lag_p50_ms']:.0f}/{o['lag_p99_ms']:.0f} ms; per rate "
-          + ", ".join(f"{k}/s: {v['lag_p50_ms']:.0f}/{v['lag_p99_ms']:.0f} ms (others {_pc(v['others_cpu'])})"
-                      for k, v in row["rates"].items()), flush=True)
+    print(
+        f"[{system}] {o['rows']} rows for {o['sent']} requests (missing {o['missing']}, extra {o['extra']}, "
+        f"doubled {o['doubled']}); lag p50/p99 {o['lag_p50_ms']:.0f}/{o['lag_p99_ms']:.0f} ms; per rate "
+        + ", ".join(
+            f"{k}/s: {v['lag_p50_ms']:.0f}/{v['lag_p99_ms']:.0f} ms (others {_pc(v['others_cpu'])})"
+            for k, v in row["rates"].items()
+        ),
+        flush=True,
+    )
     return row
 
 
@@ -613,6 +781,7 @@ def server_pids(system: str, backend: Backend | None) -> list[int]:
     async def pids() -> list[int]:
         async with Database(backend.postgres_url) as db:
             return await backend.server_pids(db)
+
     return asyncio.run(pids())
 
 
@@ -623,15 +792,17 @@ def lag_part(args, backend: Backend | None, run_dir: Path) -> tuple[list[dict], 
     ports = PortAllocator(args.base_port)
     rows = []
     for system in args.systems:
-        busy = wait_idle(system, args.wait_idle)
-        rows.append(run_lag_system(system, args, sargs, model_dir, wl, run_dir, ports, backend)
-                    | {"cpu_busy_before": busy})
+        busy = wait_idle(args.wait_idle, system)
+        rows.append(
+            run_lag_system(system, args, sargs, model_dir, wl, run_dir, ports, backend) | {"cpu_busy_before": busy}
+        )
     return rows, {"dir": str(model_dir), "source": source, "info": checkpoint_info(model_dir)}
 
 
 # ----------------------------------------------------------------------------------------------------------------- #
 # setup, report, main
 # ----------------------------------------------------------------------------------------------------------------- #
+
 
 def fleet_backend(args, run_dir: Path) -> tuple[Backend, Callable[[], None]]:
     """A throwaway PostgreSQL database (migrated) and a unique Redis prefix; the cleanup drops both."""
@@ -641,6 +812,7 @@ def fleet_backend(args, run_dir: Path) -> tuple[Backend, Callable[[], None]]:
     async def migrate() -> None:
         async with Database(backend.postgres_url) as db:
             await db.migrate()
+
     asyncio.run(migrate())
 
     def cleanup() -> None:
@@ -650,6 +822,7 @@ def fleet_backend(args, run_dir: Path) -> tuple[Backend, Callable[[], None]]:
         if keys:
             client.delete(*keys)
         print(f"dropped database {name}; deleted {len(keys)} Redis keys under {backend.prefix}", flush=True)
+
     return backend, cleanup
 
 
@@ -658,11 +831,11 @@ def versions(redis_url: str) -> dict:
 
     v = {pkg: version(pkg) for pkg in ("sqlalchemy", "aiosqlite", "asyncpg", "redis")}
     v["sqlite"] = __import__("sqlite3").sqlite_version
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout
-    v["tokenfleet"] = f"git {head.strip()}"
+    v["tokenfleet"] = f"git {git_head()}"
     try:
-        v["postgresql"] = subprocess.run(["psql", "-At", "-c", "SHOW server_version", POSTGRES_ADMIN_URL],
-                                         capture_output=True, text=True, timeout=10).stdout.strip()
+        v["postgresql"] = subprocess.run(
+            ["psql", "-At", "-c", "SHOW server_version", POSTGRES_ADMIN_URL], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
         v["redis-server"] = redis.Redis.from_url(redis_url).info("server")["redis_version"]
     except Exception:  # noqa: BLE001 (informational only)
         pass
@@ -681,18 +854,27 @@ def write_report(path: Path, rep: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".json").write_text(json.dumps(rep, indent=1, default=str))
     m, a = rep["machine"], rep["args"]
-    L = [f"# Usage metering — {rep['date']}", "", f"Command: `{rep['command']}`", "",
-         f"Machine: {m['cores']} cores ({m['cpu']}), {m['memory']} RAM; Python {m['python']}; versions: "
-         + ", ".join(f"{k} {v}" for k, v in rep["versions"].items() if v), ""]
+    L = [
+        f"# Usage metering — {rep['date']}",
+        "",
+        f"Command: `{rep['command']}`",
+        "",
+        f"Machine: {m['cores']} cores ({m['cpu']}), {m['memory']} RAM; Python {m['python']}; versions: "
+        + ", ".join(f"{k} {v}" for k, v in rep["versions"].items() if v),
+        "",
+    ]
     if rep.get("pipeline"):
         L += pipeline_section(rep, a)
     if rep.get("lag"):
         L += lag_section(rep, a)
     contended = contention(rep)
     if contended:
-        L += ["", f"**The machine was busy with other work** during {contended}: \"other CPU\" above "
-              f"{100 * CONTENDED:.0f} % of the cores (other engineers' test suites). Rates are lower and latencies "
-              "longer than on a quiet machine; treat them as lower bounds (rates) and upper bounds (latencies)."]
+        L += [
+            "",
+            f'**The machine was busy with other work** during {contended}: "other CPU" above '
+            f"{100 * CONTENDED:.0f} % of the cores (other engineers' test suites). Rates are lower and latencies "
+            "longer than on a quiet machine; treat them as lower bounds (rates) and upper bounds (latencies).",
+        ]
     if rep.get("notes"):
         L += ["", "## Reading", ""] + [f"{n}\n" for n in rep["notes"]]
     L += ["", f"Method: the docstring of `bench/metering.py`. Run dir: `{rep['run_dir']}`.", ""]
@@ -708,90 +890,111 @@ def contention(rep: dict) -> str:
     busy = [w for w in windows if w > CONTENDED]
     if not busy:
         return ""
-    return (f"{len(busy)} of {len(windows)} timed windows ({100 * min(busy):.0f}-{100 * max(busy):.0f} % of the "
-            "cores)")
+    return f"{len(busy)} of {len(windows)} timed windows ({100 * min(busy):.0f}-{100 * max(busy):.0f} % of the cores)"
 
 
 def pipeline_section(rep: dict, a: dict) -> list[str]:
-    L = ["## Events per second through outbox → log → warehouse", "",
-         f"{a['events']} events per run ({a['bulk_events']} for ship and warehouse"
-         + (f", {a['sequential_events']} for the sequential recorder" if "sequential_events" in a else "")
-         + f"; the floor and Outbox.close "
-         f"with {a['writers']} concurrent writers), medians of {a['repeats']} runs (each on empty tables and an "
-         "empty log), one Python process. \"CPU/event\" = CPU time per event of this process (SQLite included: it "
-         "runs in the process) + of the servers (the PostgreSQL backends of the benchmark's connections and "
-         "redis-server; a backend that exits during the run, i.e. a connection the pool closed, is not counted); "
-         "\"per CPU-second\" = events per second of that CPU, a rate that does not depend on what else the machine "
-         "runs. \"Other CPU\" = CPU used by processes that are not part of the benchmark, share of both cores, per "
-         "run.", "",
-         "| backend | stage | events/s (median) | runs | CPU/event µs (process + servers) | events per CPU-second | "
-         "write p50 / p99 ms | lag p50 / p99 ms | connections opened | failed writes (retried) | other CPU |",
-         "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    L = [
+        "## Events per second through outbox → log → warehouse",
+        "",
+        f"{a['events']} events per run ({a['bulk_events']} for ship and warehouse"
+        + (f", {a['sequential_events']} for the sequential recorder" if "sequential_events" in a else "")
+        + f"; the floor and Outbox.close "
+        f"with {a['writers']} concurrent writers), medians of {a['repeats']} runs (each on empty tables and an "
+        'empty log), one Python process. "CPU/event" = CPU time per event of this process (SQLite included: it '
+        "runs in the process) + of the servers (the PostgreSQL backends of the benchmark's connections and "
+        "redis-server; a backend that exits during the run, i.e. a connection the pool closed, is not counted); "
+        '"per CPU-second" = events per second of that CPU, a rate that does not depend on what else the machine '
+        'runs. "Other CPU" = CPU used by processes that are not part of the benchmark, share of both cores, per '
+        "run.",
+        "",
+        "| backend | stage | events/s (median) | runs | CPU/event µs (process + servers) | events per CPU-second | "
+        "write p50 / p99 ms | lag p50 / p99 ms | connections opened | failed writes (retried) | other CPU |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for kind, rows in rep["pipeline"].items():
         for r in rows:
-            write = (f"{r['write_p50_ms']:.1f} / {r['write_p99_ms']:.1f}" if "write_p50_ms" in r else "")
+            write = f"{r['write_p50_ms']:.1f} / {r['write_p99_ms']:.1f}" if "write_p50_ms" in r else ""
             lag = f"{r['lag_p50_ms']:.0f} / {r['lag_p99_ms']:.0f}" if "lag_p50_ms" in r else ""
             failed = sum(r["write_errors"].values()) if "write_errors" in r else ""
             server = r.get("server_cpu_us_per_event") or 0
             cpu = _num(r["cpu_us_per_event"]) + (f" + {_num(server)}" if kind == "fleet" else "")
-            L.append(f"| {BACKEND_LABELS[kind]} | {STAGE_LABELS.get(r['stage'], r['stage'])} | **{_num(r['per_s'])}** | "
-                     f"{', '.join(map(str, r['per_s_each']))} | {cpu} | {_num(1e6 / (r['cpu_us_per_event'] + server))}"
-                     f" | {write} | {lag} | {_num(r.get('connections_opened'))} | {failed} | "
-                     f"{', '.join(_pc(x) for x in r['others_cpu_each'])} |")
+            L.append(
+                f"| {BACKEND_LABELS[kind]} | {STAGE_LABELS.get(r['stage'], r['stage'])} | **{_num(r['per_s'])}** | "
+                f"{', '.join(map(str, r['per_s_each']))} | {cpu} | {_num(1e6 / (r['cpu_us_per_event'] + server))}"
+                f" | {write} | {lag} | {_num(r.get('connections_opened'))} | {failed} | "
+                f"{', '.join(_pc(x) for x in r['others_cpu_each'])} |"
+            )
     errors = sorted({e for rows in rep["pipeline"].values() for r in rows for e in r.get("write_errors", {})})
     if errors:
         L += ["", "Failed writes were: " + "; ".join(f"`{e}`" for e in errors) + "."]
-    checks = [f"{BACKEND_LABELS[k]}: {'every run' if r.get('exact') else 'NOT every run'}"
-              for k, rows in rep["pipeline"].items() for r in rows if r["stage"] == "end_to_end"]
+    checks = [
+        f"{BACKEND_LABELS[k]}: {'every run' if r.get('exact') else 'NOT every run'}"
+        for k, rows in rep["pipeline"].items()
+        for r in rows
+        if r["stage"] == "end_to_end"
+    ]
     if checks:
-        L += ["", "End to end, `usage_events` held exactly the events written (count = distinct request ids = "
-              "events): " + "; ".join(checks) + "."]
+        L += [
+            "",
+            "End to end, `usage_events` held exactly the events written (count = distinct request ids = "
+            "events): " + "; ".join(checks) + ".",
+        ]
     return L + [""]
 
 
 def lag_section(rep: dict, a: dict) -> list[str]:
     c = rep["checkpoint"]
-    L = ["## Lag from request end to its warehouse row, under served load", "",
-         f"bench/served_load.py's workload and client: per rate {a['lag_requests']} requests with Poisson arrivals "
-         "(seed 0), prompts 16–512 tokens, max_tokens 8–256, streaming chat completions with ignore_eos, after its "
-         f"8 warm-up requests; checkpoint `{c['dir']}` ({c['source']}, "
-         f"{c['info'].get('parameters', 0) / 1e6:.1f}M parameters). Lag = `usage_events.created_at` (the writer's "
-         "clock when it built the row, just before the insert) − `ended_at` (the gateway's clock when the request "
-         "ended); both clocks are the same machine's.", "",
-         "| system | rate req/s | requests | served req/s | rows | lag p50 ms | lag p99 ms | lag max ms | other CPU |",
-         "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    L = [
+        "## Lag from request end to its warehouse row, under served load",
+        "",
+        f"bench/served_load.py's workload and client: per rate {a['lag_requests']} requests with Poisson arrivals "
+        "(seed 0), prompts 16–512 tokens, max_tokens 8–256, streaming chat completions with ignore_eos, after its "
+        f"8 warm-up requests; checkpoint `{c['dir']}` ({c['source']}, "
+        f"{c['info'].get('parameters', 0) / 1e6:.1f}M parameters). Lag = `usage_events.created_at` (the writer's "
+        "clock when it built the row, just before the insert) − `ended_at` (the gateway's clock when the request "
+        "ended); both clocks are the same machine's.",
+        "",
+        "| system | rate req/s | requests | served req/s | rows | lag p50 ms | lag p99 ms | lag max ms | other CPU |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for s in rep["lag"]:
         for rate, r in s["rates"].items():
-            L.append(f"| {s['label']} | {rate} | {r['load']['requests']} | {r['load']['req_s']:.2f} | {r['rows']} | "
-                     f"{_num(r['lag_p50_ms'])} | {_num(r['lag_p99_ms'])} | {_num(r['lag_max_ms'])} | "
-                     f"{_pc(r['others_cpu'])} |")
+            L.append(
+                f"| {s['label']} | {rate} | {r['load']['requests']} | {r['load']['req_s']:.2f} | {r['rows']} | "
+                f"{_num(r['lag_p50_ms'])} | {_num(r['lag_p99_ms'])} | {_num(r['lag_max_ms'])} | "
+                f"{_pc(r['others_cpu'])} |"
+            )
         o = s["overall"]
-        L.append(f"| {s['label']} | all, with warm-up | {o['sent']} | | {o['rows']} | **{_num(o['lag_p50_ms'])}** | "
-                 f"**{_num(o['lag_p99_ms'])}** | {_num(o['lag_max_ms'])} | |")
+        L.append(
+            f"| {s['label']} | all, with warm-up | {o['sent']} | | {o['rows']} | **{_num(o['lag_p50_ms'])}** | "
+            f"**{_num(o['lag_p99_ms'])}** | {_num(o['lag_max_ms'])} | |"
+        )
     L += ["", "Every request accounted for (warehouse rows matched to the client's x-request-id):", ""]
     for s in rep["lag"]:
         o = s["overall"]
-        L.append(f"- {s['label']}: {o['sent']} requests sent, {o['rows']} rows (request_id is the table's key: "
-                 f"a second row for a request cannot exist); requests without a row {o['missing']}, rows of no "
-                 f"request sent {o['extra']}, one id given to two requests {o['doubled']}, responses without an id "
-                 f"{o['without_id']}; statuses "
-                 f"{o['statuses']}; output tokens {o['output_tokens_warehouse']} in the warehouse vs "
-                 f"{o['output_tokens_client']} reported to the client. Commands: "
-                 + "; ".join(f"`{cmd}`" for cmd in s["commands"]) + ".")
+        L.append(
+            f"- {s['label']}: {o['sent']} requests sent, {o['rows']} rows (request_id is the table's key: "
+            f"a second row for a request cannot exist); requests without a row {o['missing']}, rows of no "
+            f"request sent {o['extra']}, one id given to two requests {o['doubled']}, responses without an id "
+            f"{o['without_id']}; statuses "
+            f"{o['statuses']}; output tokens {o['output_tokens_warehouse']} in the warehouse vs "
+            f"{o['output_tokens_client']} reported to the client. Commands: "
+            + "; ".join(f"`{cmd}`" for cmd in s["commands"])
+            + "."
+        )
     return L + [""]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--parts", default="pipeline,lag", help="pipeline,lag")
     p.add_argument("--backends", default="embedded,fleet", help="pipeline backends: embedded,fleet")
     p.add_argument("--stages", default=",".join(STAGES), help=f"pipeline stages, from {STAGES}")
     p.add_argument("--events", type=int, default=1000, help="events per run of the outbox and end-to-end stages")
     p.add_argument("--bulk-events", type=int, default=5000, help="events per run of the ship and warehouse stages")
     p.add_argument("--sequential-events", type=int, default=300, help="requests per run of the sequential stage")
-    p.add_argument("--writers", type=int, default=4,
-                   help="concurrent writers of the floor and close-only stages")
+    p.add_argument("--writers", type=int, default=4, help="concurrent writers of the floor and close-only stages")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--drain-timeout", type=float, default=120.0, help="longest wait for the warehouse to catch up")
     p.add_argument("--systems", default="serve,gateway", help="lag part: serve,gateway")
@@ -804,52 +1007,53 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--base-port", type=int, default=18700)
     p.add_argument("--start-timeout", type=float, default=300.0)
-    p.add_argument("--wait-idle", type=float, default=30.0,
-                   help="before each stage and system, wait up to this long for other work on the machine to stop")
+    p.add_argument(
+        "--wait-idle",
+        type=float,
+        default=30.0,
+        help="before each stage and system, wait up to this long for other work on the machine to stop",
+    )
     p.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     p.add_argument("--out", default="docs/benchmarks/metering.md", help="'' = no report files")
     p.add_argument("--run-dir", help="logs, databases and raw rows (default: a new temp dir)")
     p.add_argument("--note", action="append", default=[], help="a paragraph for the report's Reading section")
     p.add_argument("--rerender", metavar="JSON", help="rewrite the markdown from a previous run's JSON (+ --note)")
     args = p.parse_args(argv)
-    args.parts = _names(p, args.parts, ["pipeline", "lag"])
-    args.backends = _names(p, args.backends, ["embedded", "fleet"])
-    args.stages = _names(p, args.stages, STAGES)
-    args.systems = _names(p, args.systems, ["serve", "gateway"])
+    args.parts = known_names(p, args.parts, ["pipeline", "lag"], "parts")
+    args.backends = known_names(p, args.backends, ["embedded", "fleet"], "backends")
+    args.stages = known_names(p, args.stages, STAGES, "stages")
+    args.systems = known_names(p, args.systems, ["serve", "gateway"], "systems")
     args.lag_rates = [float(r) for r in args.lag_rates.split(",") if r.strip()]
     return args
-
-
-def _names(parser: argparse.ArgumentParser, given: str, known: list[str]) -> list[str]:
-    names = [n.strip() for n in given.split(",") if n.strip()]
-    bad = [n for n in names if n not in known]
-    if bad:
-        parser.error(f"unknown {bad}; choose from {known}")
-    return [n for n in known if n in names]
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.rerender:
-        src = Path(args.rerender)
-        rep = json.loads(src.read_text())
-        rep["notes"] = rep.get("notes", []) + args.note
-        write_report(src.with_suffix(".md"), rep)
+        rep, md = report_to_rerender(args)
+        write_report(md, rep)
         return
-    command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, REPO)] + sys.argv[1:])
-    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="tokenfleet-metering-"))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    rep: dict[str, Any] = {"date": _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
-                           "command": command, "machine": machine_info(args), "versions": versions(args.redis),
-                           "args": {k: v for k, v in vars(args).items() if k not in ("note", "rerender")},
-                           "run_dir": str(run_dir), "notes": list(args.note)}
-    need_fleet = (("fleet" in args.backends and "pipeline" in args.parts)
-                  or ("gateway" in args.systems and "lag" in args.parts))
+    command = command_line(__file__)
+    run_dir = make_run_dir(args.run_dir, "tokenfleet-metering-")
+    rep: dict[str, Any] = {
+        "date": _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        "command": command,
+        "machine": machine_info(args),
+        "versions": versions(args.redis),
+        "args": {k: v for k, v in vars(args).items() if k not in ("note", "rerender")},
+        "run_dir": str(run_dir),
+        "notes": list(args.note),
+    }
+    need_fleet = ("fleet" in args.backends and "pipeline" in args.parts) or (
+        "gateway" in args.systems and "lag" in args.parts
+    )
     backend, cleanup = fleet_backend(args, run_dir) if need_fleet else (None, lambda: None)
     try:
         if "pipeline" in args.parts:
-            rep["pipeline"] = {kind: pipeline_part(backend if kind == "fleet" else Backend("embedded", run_dir),
-                                                   args) for kind in args.backends}
+            rep["pipeline"] = {
+                kind: pipeline_part(backend if kind == "fleet" else Backend("embedded", run_dir), args)
+                for kind in args.backends
+            }
         if "lag" in args.parts:
             rep["lag"], rep["checkpoint"] = lag_part(args, backend, run_dir)
     finally:

@@ -72,20 +72,32 @@ import json
 import os
 import platform
 import random
-import shlex
 import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-from _cpuprobe import CpuProbe  # noqa: E402  (stdlib only)
-CONTENDED = 0.10  # others_cpu above this (fraction of all cores) marks a timing as unreliable
+from _common import (  # noqa: E402  (stdlib only)
+    CONTENDED,
+    REPO,
+    add_checkpoint_args,
+    add_length_args,
+    bench_parser,
+    command_line,
+    cpu_model,
+    given_checkpoint,
+    known_names,
+    make_run_dir,
+    memory_total,
+    repo_env,
+    wait_idle,
+)
+from _cpuprobe import CpuProbe, timed_run  # noqa: E402  (stdlib only)
+
 ALL_SYSTEMS = ["tokenfleet", "hf_static", "hf_cb", "vllm", "ceiling"]
 LABELS = {
     "tokenfleet": "tokenfleet (LLM.generate)",
@@ -98,11 +110,23 @@ LABELS = {
 # Fallback checkpoint shapes (used only when `tokenfleet demo-model` is not available).
 BUILTIN_SIZES = {
     # ~5.0M parameters
-    "small": dict(vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2),
+    "small": dict(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
     # ~27.8M parameters
-    "medium": dict(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                   num_attention_heads=8, num_key_value_heads=4),
+    "medium": dict(
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    ),
 }
 SPECIAL_TOKENS = ["<s>", "</s>", "<unk>", "<pad>"]
 CHAT_TEMPLATE = (
@@ -115,6 +139,7 @@ CHAT_TEMPLATE = (
 # checkpoints
 # ----------------------------------------------------------------------------------------------------------------- #
 
+
 def _ckpt_complete(d: Path) -> bool:
     return (d / "config.json").exists() and (d / "tokenizer.json").exists() and (d / "tokenizer_config.json").exists()
 
@@ -122,6 +147,7 @@ def _ckpt_complete(d: Path) -> bool:
 def build_checkpoint(out_dir: Path, size: str, seed: int = 0) -> None:
     """Random-weight HF Llama checkpoint + byte-level BPE tokenizer (run in a subprocess: imports torch)."""
     import pydoc_data.topics
+
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -132,18 +158,31 @@ def build_checkpoint(out_dir: Path, size: str, seed: int = 0) -> None:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=shape["vocab_size"], special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=shape["vocab_size"],
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer)
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                     pad_token="<pad>")
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
     hf_tok.chat_template = CHAT_TEMPLATE
     hf_tok.save_pretrained(out_dir)
 
     torch.manual_seed(seed)
-    config = LlamaConfig(**shape, max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
-                         tie_word_embeddings=False, bos_token_id=hf_tok.bos_token_id, eos_token_id=hf_tok.eos_token_id,
-                         pad_token_id=hf_tok.pad_token_id, torch_dtype="float32")
+    config = LlamaConfig(
+        **shape,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=hf_tok.bos_token_id,
+        eos_token_id=hf_tok.eos_token_id,
+        pad_token_id=hf_tok.pad_token_id,
+        torch_dtype="float32",
+    )
     model = LlamaForCausalLM(config).to(torch.float32)
     model.generation_config.pad_token_id = hf_tok.pad_token_id
     model.save_pretrained(out_dir)
@@ -153,10 +192,7 @@ def build_checkpoint(out_dir: Path, size: str, seed: int = 0) -> None:
 
 def ensure_checkpoint(args) -> tuple[Path, str]:
     if args.model:
-        d = Path(args.model).resolve()
-        if not (d / "config.json").exists():
-            sys.exit(f"--model {d}: no config.json")
-        return d, "given (--model)"
+        return given_checkpoint(args.model)
     root = Path(args.ckpt_root)
     if not args.builtin_checkpoint:
         d = root / f"demo-{args.size}"
@@ -165,8 +201,15 @@ def ensure_checkpoint(args) -> tuple[Path, str]:
         if shutil.which("tokenfleet"):
             cmd = ["tokenfleet", "demo-model", str(d), "--size", args.size]
         else:
-            cmd = [sys.executable, "-c", "import sys; from tokenfleet.cli import main; sys.exit(main())",
-                   "demo-model", str(d), "--size", args.size]
+            cmd = [
+                sys.executable,
+                "-c",
+                "import sys; from tokenfleet.cli import main; sys.exit(main())",
+                "demo-model",
+                str(d),
+                "--size",
+                args.size,
+            ]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
             ok = r.returncode == 0 and _ckpt_complete(d)
@@ -179,8 +222,9 @@ def ensure_checkpoint(args) -> tuple[Path, str]:
         print(f"[ckpt] `tokenfleet demo-model` not usable ({' '.join(msg) or 'failed'}); using the built-in one")
     d = root / f"builtin-{args.size}"
     if not _ckpt_complete(d):
-        r = subprocess.run([sys.executable, __file__, "--build-checkpoint", str(d), "--size", args.size],
-                           text=True, timeout=600)
+        r = subprocess.run(
+            [sys.executable, __file__, "--build-checkpoint", str(d), "--size", args.size], text=True, timeout=600
+        )
         if r.returncode != 0 or not _ckpt_complete(d):
             sys.exit("could not build the checkpoint")
     return d, f"built by bench/offline_throughput.py (LlamaForCausalLM random init, --size {args.size})"
@@ -188,9 +232,19 @@ def ensure_checkpoint(args) -> tuple[Path, str]:
 
 def checkpoint_info(d: Path) -> dict:
     cfg = json.loads((d / "config.json").read_text())
-    keys = ["architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings",
-            "torch_dtype", "dtype"]
+    keys = [
+        "architectures",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "torch_dtype",
+        "dtype",
+    ]
     info = {k: cfg[k] for k in keys if k in cfg}
     h, v, L, i = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
     nh = cfg["num_attention_heads"]
@@ -205,6 +259,7 @@ def checkpoint_info(d: Path) -> dict:
 # ----------------------------------------------------------------------------------------------------------------- #
 # workload
 # ----------------------------------------------------------------------------------------------------------------- #
+
 
 def token_id_pool(d: Path, cfg_vocab: int) -> tuple[int, list[int]]:
     """(upper bound, sorted special ids): prompt ids are drawn from [0, upper) minus the special ids."""
@@ -227,7 +282,7 @@ def token_id_pool(d: Path, cfg_vocab: int) -> tuple[int, list[int]]:
     cfg = json.loads((d / "config.json").read_text())
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
         v = cfg.get(k)
-        for x in (v if isinstance(v, list) else [v]):
+        for x in v if isinstance(v, list) else [v]:
             if isinstance(x, int):
                 special.add(x)
     return upper, sorted(special)
@@ -241,15 +296,25 @@ def make_workload(args, d: Path) -> dict:
     reqs = []
     for _ in range(args.num_requests):
         plen = rng.randint(args.prompt_min, args.prompt_max)
-        reqs.append({"prompt_token_ids": [rng.choice(allowed) for _ in range(plen)],
-                     "max_tokens": rng.randint(args.output_min, args.output_max)})
-    return {"seed": args.seed, "requests": reqs, "id_upper": upper, "special_ids": special,
-            "max_model_len": args.prompt_max + args.output_max}
+        reqs.append(
+            {
+                "prompt_token_ids": [rng.choice(allowed) for _ in range(plen)],
+                "max_tokens": rng.randint(args.output_min, args.output_max),
+            }
+        )
+    return {
+        "seed": args.seed,
+        "requests": reqs,
+        "id_upper": upper,
+        "special_ids": special,
+        "max_model_len": args.prompt_max + args.output_max,
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------------- #
 # workers (each runs in its own subprocess)
 # ----------------------------------------------------------------------------------------------------------------- #
+
 
 def _setup_torch(threads: int):
     import torch
@@ -265,6 +330,14 @@ def _load_hf(torch, model_dir: str):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     model.eval()
     return model
+
+
+def _timed_hf_load(spec: dict):
+    """(torch, the transformers model, its load seconds) for a worker."""
+    torch = _setup_torch(spec["threads"])
+    t = time.perf_counter()
+    model = _load_hf(torch, spec["model_dir"])
+    return torch, model, time.perf_counter() - t
 
 
 def _pad_id(model) -> int:
@@ -287,8 +360,9 @@ def worker_tokenfleet(spec: dict, reqs: list[dict], warm: list[dict]) -> dict:
     def run(rs):
         prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in rs]
         # token ids only, like the vLLM run (detokenize=False) and the transformers runs
-        sps = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
-               for r in rs]
+        sps = [
+            SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False) for r in rs
+        ]
         outs = llm.generate(prompts, sps)
         return [list(o.token_ids) for o in outs]
 
@@ -296,12 +370,7 @@ def worker_tokenfleet(spec: dict, reqs: list[dict], warm: list[dict]) -> dict:
     from tokenfleet.engine.engine import StepStats
 
     llm.engine.stats = StepStats()
-    probe = CpuProbe()
-    probe.start()
-    t = time.perf_counter()
-    outputs = run(reqs)
-    wall = time.perf_counter() - t
-    others = probe.stop(wall)
+    outputs, wall, others = timed_run(run, reqs)
     stats = llm.engine.stats
     import tokenfleet
 
@@ -313,23 +382,26 @@ def worker_tokenfleet(spec: dict, reqs: list[dict], warm: list[dict]) -> dict:
             version = _v("tokenfleet")
         except Exception:  # noqa: BLE001
             version = "?"
-    return {"wall_s": wall, "load_s": load_s, "outputs": outputs, "version": version, "torch": torch.__version__,
-            "others_cpu": others,
-            "notes": f"engine options {spec.get('tokenfleet_options', {})}; {stats.steps} steps: "
-                     f"scheduler {stats.schedule_s / stats.total_s:.1%}, batch preparation "
-                     f"{stats.prepare_s / stats.total_s:.1%}, model forward {stats.forward_s / stats.total_s:.1%}, "
-                     f"sampler {stats.sample_s / stats.total_s:.1%}, outputs {stats.output_s / stats.total_s:.1%} "
-                     f"of step time"}
+    return {
+        "wall_s": wall,
+        "load_s": load_s,
+        "outputs": outputs,
+        "version": version,
+        "torch": torch.__version__,
+        "others_cpu": others,
+        "notes": f"engine options {spec.get('tokenfleet_options', {})}; {stats.steps} steps: "
+        f"scheduler {stats.schedule_s / stats.total_s:.1%}, batch preparation "
+        f"{stats.prepare_s / stats.total_s:.1%}, model forward {stats.forward_s / stats.total_s:.1%}, "
+        f"sampler {stats.sample_s / stats.total_s:.1%}, outputs {stats.output_s / stats.total_s:.1%} "
+        f"of step time",
+    }
 
 
 def worker_hf_static(spec: dict, reqs: list[dict], warm: list[dict]) -> dict:
-    torch = _setup_torch(spec["threads"])
     import transformers
     from transformers import GenerationConfig
 
-    t = time.perf_counter()
-    model = _load_hf(torch, spec["model_dir"])
-    load_s = time.perf_counter() - t
+    torch, model, load_s = _timed_hf_load(spec)
     pad = _pad_id(model)
     bs = spec["hf_batch_size"]
     generated_total = [0]
@@ -338,40 +410,42 @@ def worker_hf_static(spec: dict, reqs: list[dict], warm: list[dict]) -> dict:
     def run(rs):
         outs = []
         for s in range(0, len(rs), bs):
-            batch = rs[s:s + bs]
+            batch = rs[s : s + bs]
             L = max(len(r["prompt_token_ids"]) for r in batch)
             ids = torch.full((len(batch), L), pad, dtype=torch.long)
             mask = torch.zeros((len(batch), L), dtype=torch.long)
             for j, r in enumerate(batch):
                 p = r["prompt_token_ids"]
-                ids[j, L - len(p):] = torch.tensor(p, dtype=torch.long)
-                mask[j, L - len(p):] = 1
+                ids[j, L - len(p) :] = torch.tensor(p, dtype=torch.long)
+                mask[j, L - len(p) :] = 1
             mx = max(r["max_tokens"] for r in batch)
             # eos_token_id=None: EOS neither stops a row nor is suppressed (= ignore_eos of vLLM/tokenfleet).
             # (min_new_tokens would also keep rows going, but it masks EOS out of the argmax, changing outputs.)
-            gc = GenerationConfig(max_new_tokens=mx, do_sample=False, eos_token_id=None, pad_token_id=pad,
-                                  bos_token_id=None)
+            gc = GenerationConfig(
+                max_new_tokens=mx, do_sample=False, eos_token_id=None, pad_token_id=pad, bos_token_id=None
+            )
             seq = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
             new = seq[:, L:]
             assert new.shape[1] == mx, (new.shape, mx)
             generated_total[0] += new.numel()
             for j, r in enumerate(batch):
-                outs.append(new[j, :r["max_tokens"]].tolist())
+                outs.append(new[j, : r["max_tokens"]].tolist())
         return outs
 
     model.generation_config.eos_token_id = None
     run(warm)
     generated_total[0] = 0
-    probe = CpuProbe()
-    probe.start()
-    t = time.perf_counter()
-    outputs = run(reqs)
-    wall = time.perf_counter() - t
-    others = probe.stop(wall)
-    return {"wall_s": wall, "load_s": load_s, "outputs": outputs, "generated_tokens": generated_total[0],
-            "others_cpu": others,
-            "version": transformers.__version__, "torch": torch.__version__,
-            "notes": f"batch size {bs}, arrival order, left padding, sdpa; each batch runs max(max_tokens) steps"}
+    outputs, wall, others = timed_run(run, reqs)
+    return {
+        "wall_s": wall,
+        "load_s": load_s,
+        "outputs": outputs,
+        "generated_tokens": generated_total[0],
+        "others_cpu": others,
+        "version": transformers.__version__,
+        "torch": torch.__version__,
+        "notes": f"batch size {bs}, arrival order, left padding, sdpa; each batch runs max(max_tokens) steps",
+    }
 
 
 def worker_hf_cb(spec: dict, reqs: list[dict], warm: list[dict]) -> dict:
@@ -394,18 +468,23 @@ def worker_hf_cb(spec: dict, reqs: list[dict], warm: list[dict]) -> dict:
     need = sum(-(-(len(r["prompt_token_ids"]) + r["max_tokens"]) // page) for r in reqs + warm) + 2
     num_blocks = max(1, min(need, int(spec["kv_cache_gib"] * 2**30) // bytes_per_block))
     cb_config = ContinuousBatchingConfig(page_size=page, num_blocks=num_blocks)
-    gc = GenerationConfig(max_new_tokens=max(r["max_tokens"] for r in reqs), do_sample=False, eos_token_id=-1,
-                          pad_token_id=_pad_id(model))
-    hints = WorkloadHints(max_prompt_length=max(len(r["prompt_token_ids"]) for r in reqs),
-                          max_generated_length=max(r["max_tokens"] for r in reqs), num_requests=len(reqs))
+    gc = GenerationConfig(
+        max_new_tokens=max(r["max_tokens"] for r in reqs), do_sample=False, eos_token_id=-1, pad_token_id=_pad_id(model)
+    )
+    hints = WorkloadHints(
+        max_prompt_length=max(len(r["prompt_token_ids"]) for r in reqs),
+        max_generated_length=max(r["max_tokens"] for r in reqs),
+        num_requests=len(reqs),
+    )
     timeout = spec.get("timeout", 3600)
 
     def run(manager, rs, tag):
         ids = []
         for i, r in enumerate(rs):
             rid = f"{tag}{i}"
-            manager.add_request(input_ids=r["prompt_token_ids"], request_id=rid, max_new_tokens=r["max_tokens"],
-                                eos_token_id=-1)
+            manager.add_request(
+                input_ids=r["prompt_token_ids"], request_id=rid, max_new_tokens=r["max_tokens"], eos_token_id=-1
+            )
             ids.append(rid)
         results = {}
         deadline = time.monotonic() + timeout
@@ -423,26 +502,32 @@ def worker_hf_cb(spec: dict, reqs: list[dict], warm: list[dict]) -> dict:
                 results[res.request_id] = list(res.generated_tokens)
         return [results[i] for i in ids]
 
-    with torch.inference_mode(), model.continuous_batching_context_manager(
-            generation_config=gc, continuous_batching_config=cb_config, workload_hints=hints,
-            block=True, timeout=30) as manager:
+    with (
+        torch.inference_mode(),
+        model.continuous_batching_context_manager(
+            generation_config=gc, continuous_batching_config=cb_config, workload_hints=hints, block=True, timeout=30
+        ) as manager,
+    ):
         load_s = time.perf_counter() - t
         run(manager, warm, "warm")
-        probe = CpuProbe()
-        probe.start()
-        t = time.perf_counter()
-        outputs = run(manager, reqs, "req")
-        wall = time.perf_counter() - t
-        others = probe.stop(wall)
+        outputs, wall, others = timed_run(run, manager, reqs, "req")
         cbc = manager.continuous_batching_config
-        info = {k: getattr(cbc, k, None) for k in ("max_batch_tokens", "max_requests_per_batch", "num_blocks",
-                                                  "page_size", "use_async_batching")}
+        info = {
+            k: getattr(cbc, k, None)
+            for k in ("max_batch_tokens", "max_requests_per_batch", "num_blocks", "page_size", "use_async_batching")
+        }
         info["attn_implementation"] = model.config._attn_implementation
-    return {"wall_s": wall, "load_s": load_s, "outputs": outputs, "version": transformers.__version__,
-            "torch": torch.__version__, "others_cpu": others,
-            "notes": f"manager API with per-request max_new_tokens, eos_token_id=-1; "
-                     f"KV {num_blocks} blocks of {page} tokens ({num_blocks * bytes_per_block / 2**30:.2f} GiB, the whole "
-                     f"workload fits); config {info}"}
+    return {
+        "wall_s": wall,
+        "load_s": load_s,
+        "outputs": outputs,
+        "version": transformers.__version__,
+        "torch": torch.__version__,
+        "others_cpu": others,
+        "notes": f"manager API with per-request max_new_tokens, eos_token_id=-1; "
+        f"KV {num_blocks} blocks of {page} tokens ({num_blocks * bytes_per_block / 2**30:.2f} GiB, the whole "
+        f"workload fits); config {info}",
+    }
 
 
 def _interp(grid: list[tuple[int, float]], b: int) -> float:
@@ -457,13 +542,10 @@ def _interp(grid: list[tuple[int, float]], b: int) -> float:
 
 
 def worker_ceiling(spec: dict, reqs: list[dict], warm: list[dict]) -> dict:
-    torch = _setup_torch(spec["threads"])
     import transformers
     from transformers import StaticCache
 
-    t = time.perf_counter()
-    model = _load_hf(torch, spec["model_dir"])
-    load_s = time.perf_counter() - t
+    torch, model, load_s = _timed_hf_load(spec)
     n = len(reqs)
     plens = [len(r["prompt_token_ids"]) for r in reqs]
     olens = [r["max_tokens"] for r in reqs]
@@ -491,8 +573,9 @@ def worker_ceiling(spec: dict, reqs: list[dict], warm: list[dict]) -> dict:
         prefill_tps = ptoks / ptime
 
         # decode step time on a grid of batch sizes
-        grid_b = sorted({b for b in [1, 2, 4, 8, 16, 32, 64, 128, 256, 512] if b < n} | {n, spec["hf_batch_size"]}
-                        - {0})
+        grid_b = sorted(
+            {b for b in [1, 2, 4, 8, 16, 32, 64, 128, 256, 512] if b < n} | {n, spec["hf_batch_size"]} - {0}
+        )
         grid_b = [b for b in grid_b if b <= n]
         grid = []
         for b in grid_b:
@@ -502,9 +585,14 @@ def worker_ceiling(spec: dict, reqs: list[dict], warm: list[dict]) -> dict:
             for s in range(steps + 2):
                 pos = ctx + s
                 t0 = time.perf_counter()
-                out = model(input_ids=tok, past_key_values=cache, use_cache=True,
-                            cache_position=torch.tensor([pos]), position_ids=torch.full((b, 1), pos),
-                            logits_to_keep=1)
+                out = model(
+                    input_ids=tok,
+                    past_key_values=cache,
+                    use_cache=True,
+                    cache_position=torch.tensor([pos]),
+                    position_ids=torch.full((b, 1), pos),
+                    logits_to_keep=1,
+                )
                 tok = out.logits[:, -1:].argmax(-1)
                 times.append(time.perf_counter() - t0)
             grid.append((b, statistics.median(times[2:])))
@@ -513,24 +601,42 @@ def worker_ceiling(spec: dict, reqs: list[dict], warm: list[dict]) -> dict:
     others = probe.stop(time.perf_counter() - t_measure)
     decode_s = sum(_interp(grid, sum(1 for o in olens if o > k)) for k in range(max(olens)))
     prefill_s = sum(plens) / prefill_tps
-    return {"wall_s": prefill_s + decode_s, "load_s": load_s, "outputs": None, "estimate": True, "others_cpu": others,
-            "version": transformers.__version__, "torch": torch.__version__,
-            "ceiling": {"context_len": ctx, "prefill_tokens_per_s": prefill_tps, "prefill_s": prefill_s,
-                        "decode_s": decode_s, "prefill_sample": len(sample),
-                        "decode_grid": [{"batch": b, "step_s": s, "tokens_per_s": b / s} for b, s in grid]},
-            "notes": f"HF forward + argmax; StaticCache ctx {ctx}; estimated wall = prefill + sum_k t(B_k)"}
+    return {
+        "wall_s": prefill_s + decode_s,
+        "load_s": load_s,
+        "outputs": None,
+        "estimate": True,
+        "others_cpu": others,
+        "version": transformers.__version__,
+        "torch": torch.__version__,
+        "ceiling": {
+            "context_len": ctx,
+            "prefill_tokens_per_s": prefill_tps,
+            "prefill_s": prefill_s,
+            "decode_s": decode_s,
+            "prefill_sample": len(sample),
+            "decode_grid": [{"batch": b, "step_s": s, "tokens_per_s": b / s} for b, s in grid],
+        },
+        "notes": f"HF forward + argmax; StaticCache ctx {ctx}; estimated wall = prefill + sum_k t(B_k)",
+    }
 
 
-WORKERS = {"tokenfleet": worker_tokenfleet, "hf_static": worker_hf_static, "hf_cb": worker_hf_cb,
-           "ceiling": worker_ceiling}
+WORKERS = {
+    "tokenfleet": worker_tokenfleet,
+    "hf_static": worker_hf_static,
+    "hf_cb": worker_hf_cb,
+    "ceiling": worker_ceiling,
+}
 
 
 def worker_main(system: str, spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     wl = json.loads(Path(spec["workload_path"]).read_text())
     reqs = wl["requests"]
-    warm = [{"prompt_token_ids": r["prompt_token_ids"], "max_tokens": spec["warmup_tokens"]}
-            for r in reqs[: spec["warmup_requests"]]]
+    warm = [
+        {"prompt_token_ids": r["prompt_token_ids"], "max_tokens": spec["warmup_tokens"]}
+        for r in reqs[: spec["warmup_requests"]]
+    ]
     spec["id_upper"] = wl["id_upper"]
     res = WORKERS[system](spec, reqs, warm)
     res["system"] = system
@@ -542,28 +648,11 @@ def worker_main(system: str, spec_path: str, out_path: str) -> None:
 # orchestration
 # ----------------------------------------------------------------------------------------------------------------- #
 
-def cpu_busy(seconds: float = 1.0) -> float:
-    """Fraction of all CPUs busy during `seconds` (from /proc/stat), measured while this harness is idle."""
-    def snap():
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        idle = v[3] + (v[4] if len(v) > 4 else 0)
-        return sum(v) - idle, sum(v)
-    try:
-        b0, t0 = snap()
-        time.sleep(seconds)
-        b1, t1 = snap()
-        return (b1 - b0) / max(1, t1 - t0)
-    except OSError:
-        return 0.0
-
 
 def run_system(system: str, args, spec_path: Path, run_dir: Path) -> tuple[dict | None, str]:
     out = run_dir / f"result_{system}.json"
     log = run_dir / f"log_{system}.txt"
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env = repo_env(args.threads)
     if system == "vllm":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(int(args.kv_cache_gib))
         # vLLM binds its OpenMP threads itself.  Its "auto" default reserves one core for the front end and the
@@ -583,16 +672,17 @@ def run_system(system: str, args, spec_path: Path, run_dir: Path) -> tuple[dict 
         if not Path(args.vllm_python).exists():
             return None, f"vLLM python {args.vllm_python} not found (run bench/setup_peers.sh)"
     else:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", system, "--spec", str(spec_path),
-               "--result", str(out)]
-    busy, waited = cpu_busy(), 0.0
-    while busy > 0.25 and waited < args.wait_idle:
-        if waited == 0:
-            print(f"[{system}] CPU {100 * busy:.0f}% busy with other work; waiting up to {args.wait_idle}s for it "
-                  "to go idle", flush=True)
-        time.sleep(4)
-        waited += 5
-        busy = cpu_busy()
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--worker",
+            system,
+            "--spec",
+            str(spec_path),
+            "--result",
+            str(out),
+        ]
+    busy = wait_idle(args.wait_idle, system)
     print(f"[{system}] running ... (log: {log}; CPU busy before start {100 * busy:.0f}%)", flush=True)
     t = time.perf_counter()
     with open(log, "w") as f:
@@ -610,9 +700,13 @@ def run_system(system: str, args, spec_path: Path, run_dir: Path) -> tuple[dict 
     res = json.loads(out.read_text())
     res["cpu_busy_before_start"] = busy
     oc = res.get("others_cpu")
-    print(f"[{system}] done in {took:.0f}s (generation {res['wall_s']:.2f}s"
-          + (f", other processes used {100 * oc:.0f}% of the CPUs meanwhile" if oc is not None else "") + ")"
-          + (" -- WARNING: contended, timing unreliable" if (oc or 0) > CONTENDED else ""), flush=True)
+    print(
+        f"[{system}] done in {took:.0f}s (generation {res['wall_s']:.2f}s"
+        + (f", other processes used {100 * oc:.0f}% of the CPUs meanwhile" if oc is not None else "")
+        + ")"
+        + (" -- WARNING: contended, timing unreliable" if (oc or 0) > CONTENDED else ""),
+        flush=True,
+    )
     return res, "ok"
 
 
@@ -628,69 +722,79 @@ def compare(a: list[list[int]], b: list[list[int]]) -> dict:
 
 
 def machine_info(args) -> dict:
-    cpu = platform.processor() or "?"
-    try:
-        for ln in Path("/proc/cpuinfo").read_text().splitlines():
-            if ln.startswith("model name"):
-                cpu = ln.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = "?"
-    try:
-        kb = int(next(ln for ln in Path("/proc/meminfo").read_text().splitlines()
-                      if ln.startswith("MemTotal")).split()[1])
-        mem = f"{kb / 2**20:.1f} GiB"
-    except (OSError, StopIteration, ValueError):
-        pass
-    return {"cores": os.cpu_count(), "threads_used": args.threads, "cpu": cpu, "memory": mem,
-            "python": platform.python_version(), "platform": platform.platform()}
+    return {
+        "cores": os.cpu_count(),
+        "threads_used": args.threads,
+        "cpu": cpu_model(),
+        "memory": memory_total(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
 
 
 def write_report(path: Path, report: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".json").write_text(json.dumps(report, indent=1))
     m, w, c = report["machine"], report["workload"], report["checkpoint"]
-    L = [f"# Offline throughput — {report['date']}", "",
-         f"Command: `{report['command']}`", "",
-         f"Machine: {m['cores']} cores ({m['cpu']}), {m['memory']} RAM, torch threads {m['threads_used']}; "
-         f"Python {m['python']}; versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()), "",
-         f"Checkpoint: `{c['dir']}` — {c['source']}; {c['info'].get('parameters', 0) / 1e6:.1f}M parameters "
-         f"(hidden {c['info'].get('hidden_size')}, layers {c['info'].get('num_hidden_layers')}, "
-         f"heads {c['info'].get('num_attention_heads')}/{c['info'].get('num_key_value_heads')} kv, "
-         f"vocab {c['info'].get('vocab_size')}), float32.", "",
-         f"Workload: {w['num_requests']} requests, seed {w['seed']}, prompt lengths uniform "
-         f"[{w['prompt_min']}, {w['prompt_max']}] (total {w['prompt_tokens']}), output lengths uniform "
-         f"[{w['output_min']}, {w['output_max']}] (total {w['output_tokens']}), ignore_eos, greedy; random prompt "
-         f"token ids (no special tokens). Warm-up: first {w['warmup_requests']} prompts x {w['warmup_tokens']} "
-         f"tokens, not timed. Timed: generation only (model load excluded). \"Other CPU load\": CPU time used by "
-         f"processes outside the benchmark during the timed window, as a share of all cores (>{100 * CONTENDED:.0f}%: "
-         f"timing unreliable).", "",
-         "| system | wall s | output tok/s | total tok/s | req/s | output tok/s vs vLLM | other CPU load | notes |",
-         "|---|---:|---:|---:|---:|---:|---:|---|"]
+    L = [
+        f"# Offline throughput — {report['date']}",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        f"Machine: {m['cores']} cores ({m['cpu']}), {m['memory']} RAM, torch threads {m['threads_used']}; "
+        f"Python {m['python']}; versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
+        "",
+        f"Checkpoint: `{c['dir']}` — {c['source']}; {c['info'].get('parameters', 0) / 1e6:.1f}M parameters "
+        f"(hidden {c['info'].get('hidden_size')}, layers {c['info'].get('num_hidden_layers')}, "
+        f"heads {c['info'].get('num_attention_heads')}/{c['info'].get('num_key_value_heads')} kv, "
+        f"vocab {c['info'].get('vocab_size')}), float32.",
+        "",
+        f"Workload: {w['num_requests']} requests, seed {w['seed']}, prompt lengths uniform "
+        f"[{w['prompt_min']}, {w['prompt_max']}] (total {w['prompt_tokens']}), output lengths uniform "
+        f"[{w['output_min']}, {w['output_max']}] (total {w['output_tokens']}), ignore_eos, greedy; random prompt "
+        f"token ids (no special tokens). Warm-up: first {w['warmup_requests']} prompts x {w['warmup_tokens']} "
+        f'tokens, not timed. Timed: generation only (model load excluded). "Other CPU load": CPU time used by '
+        f"processes outside the benchmark during the timed window, as a share of all cores (>{100 * CONTENDED:.0f}%: "
+        f"timing unreliable).",
+        "",
+        "| system | wall s | output tok/s | total tok/s | req/s | output tok/s vs vLLM | other CPU load | notes |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for s in report["systems"]:
         if s["status"] != "ok":
             L.append(f"| {s['label']} | — | — | — | — | — | — | {s['status']} |")
             continue
         ratio = f"{s['ratio_vs_vllm']:.2f}x" if s.get("ratio_vs_vllm") is not None else "—"
         oc = f"{100 * s['others_cpu']:.0f}%" if s.get("others_cpu") is not None else "?"
-        L.append(f"| {s['label']} | {s['wall_s']:.2f} | {s['output_tok_s']:.1f} | {s['total_tok_s']:.1f} | "
-                 f"{s['req_s']:.2f} | {ratio} | {oc} | {s['short_note']} |")
+        L.append(
+            f"| {s['label']} | {s['wall_s']:.2f} | {s['output_tok_s']:.1f} | {s['total_tok_s']:.1f} | "
+            f"{s['req_s']:.2f} | {ratio} | {oc} | {s['short_note']} |"
+        )
     ceil = next((s for s in report["systems"] if s["system"] == "ceiling" and s["status"] == "ok"), None)
     if ceil:
         cz = ceil["ceiling"]
-        L += ["", "Model-forward ceiling (transformers forward + argmax only; an estimate, not a run): prefill "
-              f"{cz['prefill_tokens_per_s']:.0f} prompt tok/s (batch 1, {cz['prefill_sample']} workload prompts) -> "
-              f"{cz['prefill_s']:.2f} s; decode against a static KV cache of {cz['context_len']} positions, ideal "
-              f"schedule (all requests admitted at once, step k batch = #requests with max_tokens > k) -> "
-              f"{cz['decode_s']:.2f} s.", "",
-              "| decode batch B | step ms | decode tok/s (B / step) |", "|---:|---:|---:|"]
+        L += [
+            "",
+            "Model-forward ceiling (transformers forward + argmax only; an estimate, not a run): prefill "
+            f"{cz['prefill_tokens_per_s']:.0f} prompt tok/s (batch 1, {cz['prefill_sample']} workload prompts) -> "
+            f"{cz['prefill_s']:.2f} s; decode against a static KV cache of {cz['context_len']} positions, ideal "
+            f"schedule (all requests admitted at once, step k batch = #requests with max_tokens > k) -> "
+            f"{cz['decode_s']:.2f} s.",
+            "",
+            "| decode batch B | step ms | decode tok/s (B / step) |",
+            "|---:|---:|---:|",
+        ]
         for g in cz["decode_grid"]:
             L.append(f"| {g['batch']} | {g['step_s'] * 1e3:.2f} | {g['tokens_per_s']:.0f} |")
     if report["crosscheck"]:
-        L += ["", f"Greedy-output cross-check against {report['crosscheck_reference']} (random weights: near-flat "
-              "logits, so numeric noise can flip an argmax):", "",
-              "| system | identical outputs | mean common-prefix fraction |", "|---|---:|---:|"]
+        L += [
+            "",
+            f"Greedy-output cross-check against {report['crosscheck_reference']} (random weights: near-flat "
+            "logits, so numeric noise can flip an argmax):",
+            "",
+            "| system | identical outputs | mean common-prefix fraction |",
+            "|---|---:|---:|",
+        ]
         for name, cc in report["crosscheck"].items():
             L.append(f"| {LABELS.get(name, name)} | {cc['exact']}/{cc['n']} | {cc['mean_common_prefix']:.3f} |")
     L += ["", "System details:", ""]
@@ -702,36 +806,34 @@ def write_report(path: Path, report: dict) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="existing HF checkpoint directory (overrides --size)")
-    p.add_argument("--size", choices=["small", "medium"], default="small")
-    p.add_argument("--builtin-checkpoint", action="store_true",
-                   help="do not try `tokenfleet demo-model`; build the checkpoint here")
-    p.add_argument("--ckpt-root", default=os.path.join(tempfile.gettempdir(), "tokenfleet-bench", "checkpoints"))
+    p = bench_parser(__doc__)
+    add_checkpoint_args(p, "checkpoints", builtin_help="do not try `tokenfleet demo-model`; build the checkpoint here")
     p.add_argument("--num-requests", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompt-min", type=int, default=16)
-    p.add_argument("--prompt-max", type=int, default=512)
-    p.add_argument("--output-min", type=int, default=8)
-    p.add_argument("--output-max", type=int, default=256)
+    add_length_args(p)
     p.add_argument("--systems", default=",".join(ALL_SYSTEMS))
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--kv-cache-gib", type=float, default=4, help="KV cache size for vLLM and transformers CB")
     p.add_argument("--tokenfleet-options", default="{}", help="JSON dict of LLM(...) engine options")
     p.add_argument("--vllm-python", default="/tmp/vllm/bin/python")
-    p.add_argument("--vllm-omp-bind", default="auto",
-                   help="VLLM_CPU_OMP_THREADS_BIND: 'auto' = vLLM's default (default; on 2 cores it runs the model on "
-                        "1 core and keeps 1 for its front end / engine loop), 'all' = cores 0..threads-1, or an "
-                        "explicit list such as 0-1")
+    p.add_argument(
+        "--vllm-omp-bind",
+        default="auto",
+        help="VLLM_CPU_OMP_THREADS_BIND: 'auto' = vLLM's default (default; on 2 cores it runs the model on "
+        "1 core and keeps 1 for its front end / engine loop), 'all' = cores 0..threads-1, or an "
+        "explicit list such as 0-1",
+    )
     p.add_argument("--vllm-ld-preload", default="", help="LD_PRELOAD for the vLLM process (e.g. its libiomp5.so)")
     p.add_argument("--warmup-requests", type=int, default=8)
     p.add_argument("--warmup-tokens", type=int, default=8)
     p.add_argument("--ceiling-steps", type=int, default=5)
     p.add_argument("--ceiling-prefill-sample", type=int, default=16)
-    p.add_argument("--wait-idle", type=int, default=300,
-                   help="before each system, wait up to this many seconds for other work on the machine to stop")
+    p.add_argument(
+        "--wait-idle",
+        type=int,
+        default=300,
+        help="before each system, wait up to this many seconds for other work on the machine to stop",
+    )
     p.add_argument("--timeout", type=int, default=7200, help="per-system timeout, seconds")
     p.add_argument("--out", default="docs/benchmarks/offline_throughput.md", help="'' = no report files")
     p.add_argument("--run-dir", help="where workload, logs and raw results go (default: a new temp dir)")
@@ -747,18 +849,13 @@ def main(argv=None) -> None:
     if args.build_checkpoint:
         return build_checkpoint(Path(args.build_checkpoint), args.size)
 
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    bad = [s for s in systems if s not in ALL_SYSTEMS]
-    if bad:
-        p.error(f"unknown systems {bad}; choose from {ALL_SYSTEMS}")
-    systems = [s for s in ALL_SYSTEMS if s in systems]
-    command = "python " + " ".join(shlex.quote(a) for a in ([os.path.relpath(__file__, REPO)] + sys.argv[1:]))
+    systems = known_names(p, args.systems, ALL_SYSTEMS, "systems")
+    command = command_line(__file__)
 
     model_dir, source = ensure_checkpoint(args)
     info = checkpoint_info(model_dir)
     print(f"checkpoint: {model_dir} ({source}; {info['parameters'] / 1e6:.1f}M params)")
-    run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="tokenfleet-bench-"))
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = make_run_dir(args.run_dir, "tokenfleet-bench-")
     wl = make_workload(args, model_dir)
     wl_path = run_dir / "workload.json"
     wl_path.write_text(json.dumps(wl))
@@ -766,12 +863,20 @@ def main(argv=None) -> None:
     prompt_tokens = sum(len(r["prompt_token_ids"]) for r in reqs)
     output_tokens = sum(r["max_tokens"] for r in reqs)
     print(f"workload: {len(reqs)} requests, {prompt_tokens} prompt + {output_tokens} output tokens -> {wl_path}")
-    spec = {"model_dir": str(model_dir), "workload_path": str(wl_path), "threads": args.threads,
-            "hf_batch_size": args.hf_batch_size, "kv_cache_gib": args.kv_cache_gib,
-            "tokenfleet_options": json.loads(args.tokenfleet_options), "warmup_requests": args.warmup_requests,
-            "warmup_tokens": args.warmup_tokens, "ceiling_steps": args.ceiling_steps,
-            "ceiling_prefill_sample": args.ceiling_prefill_sample, "max_model_len": wl["max_model_len"],
-            "timeout": args.timeout}
+    spec = {
+        "model_dir": str(model_dir),
+        "workload_path": str(wl_path),
+        "threads": args.threads,
+        "hf_batch_size": args.hf_batch_size,
+        "kv_cache_gib": args.kv_cache_gib,
+        "tokenfleet_options": json.loads(args.tokenfleet_options),
+        "warmup_requests": args.warmup_requests,
+        "warmup_tokens": args.warmup_tokens,
+        "ceiling_steps": args.ceiling_steps,
+        "ceiling_prefill_sample": args.ceiling_prefill_sample,
+        "max_model_len": wl["max_model_len"],
+        "timeout": args.timeout,
+    }
     spec_path = run_dir / "spec.json"
     spec_path.write_text(json.dumps(spec))
 
@@ -783,16 +888,24 @@ def main(argv=None) -> None:
         if res is not None:
             results[s] = res
             wall = res["wall_s"]
-            row.update(wall_s=wall, load_s=res.get("load_s"), output_tok_s=output_tokens / wall,
-                       total_tok_s=(prompt_tokens + output_tokens) / wall, req_s=len(reqs) / wall,
-                       notes=res.get("notes", ""), version=res.get("version"),
-                       cpu_busy_before_start=res["cpu_busy_before_start"], others_cpu=res.get("others_cpu"))
+            row.update(
+                wall_s=wall,
+                load_s=res.get("load_s"),
+                output_tok_s=output_tokens / wall,
+                total_tok_s=(prompt_tokens + output_tokens) / wall,
+                req_s=len(reqs) / wall,
+                notes=res.get("notes", ""),
+                version=res.get("version"),
+                cpu_busy_before_start=res["cpu_busy_before_start"],
+                others_cpu=res.get("others_cpu"),
+            )
             short = []
             if (res.get("others_cpu") or 0) > CONTENDED:
                 short.append("WARNING: other processes competed for the CPUs")
             if res.get("outputs") is not None:
-                lens_ok = all(len(o) == r["max_tokens"] for o, r in zip(res["outputs"], reqs)) and \
-                    len(res["outputs"]) == len(reqs)
+                lens_ok = all(len(o) == r["max_tokens"] for o, r in zip(res["outputs"], reqs)) and len(
+                    res["outputs"]
+                ) == len(reqs)
                 row["lengths_ok"] = lens_ok
                 if not lens_ok:
                     short.append("WRONG OUTPUT LENGTHS")
@@ -817,22 +930,27 @@ def main(argv=None) -> None:
             if s != ref and results.get(s, {}).get("outputs") is not None:
                 cross[s] = compare(results[s]["outputs"], results[ref]["outputs"])
 
-    print("\n%-34s %9s %12s %12s %8s %8s %6s" % ("system", "wall s", "out tok/s", "total tok/s", "req/s", "vs vLLM",
-                                                  "others"))
+    print(
+        f"\n{'system':<34} {'wall s':>9} {'out tok/s':>12} {'total tok/s':>12} {'req/s':>8} {'vs vLLM':>8} "
+        f"{'others':>6}"
+    )
     for r in rows:
         if r["status"] != "ok":
-            print("%-34s %s" % (r["label"], r["status"]))
+            print(f"{r['label']:<34} {r['status']}")
             continue
         ratio = f"{r['ratio_vs_vllm']:.2f}x" if r.get("ratio_vs_vllm") is not None else "-"
         oc = f"{100 * r['others_cpu']:.0f}%" if r.get("others_cpu") is not None else "?"
-        print("%-34s %9.2f %12.1f %12.1f %8.2f %8s %6s  %s" % (r["label"], r["wall_s"], r["output_tok_s"],
-                                                              r["total_tok_s"], r["req_s"], ratio, oc,
-                                                              r.get("short_note", "")))
+        print(
+            f"{r['label']:<34} {r['wall_s']:>9.2f} {r['output_tok_s']:>12.1f} {r['total_tok_s']:>12.1f} "
+            f"{r['req_s']:>8.2f} {ratio:>8} {oc:>6}  {r.get('short_note', '')}"
+        )
     if cross:
         print(f"\ngreedy outputs vs {LABELS[ref]}:")
         for s, cc in cross.items():
-            print(f"  {LABELS[s]:34s} identical {cc['exact']}/{cc['n']}, mean common prefix "
-                  f"{cc['mean_common_prefix']:.3f}")
+            print(
+                f"  {LABELS[s]:34s} identical {cc['exact']}/{cc['n']}, mean common prefix "
+                f"{cc['mean_common_prefix']:.3f}"
+            )
     print(f"\nrun dir (workload, logs, raw results): {run_dir}")
 
     if args.out:
@@ -847,14 +965,25 @@ def main(argv=None) -> None:
                     versions["torch (vLLM venv)"] = results[s].get("torch")
         report = {
             "date": _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
-            "command": command, "machine": machine_info(args), "versions": versions,
+            "command": command,
+            "machine": machine_info(args),
+            "versions": versions,
             "checkpoint": {"dir": str(model_dir), "source": source, "info": info},
-            "workload": {"num_requests": len(reqs), "seed": args.seed, "prompt_min": args.prompt_min,
-                         "prompt_max": args.prompt_max, "output_min": args.output_min,
-                         "output_max": args.output_max, "prompt_tokens": prompt_tokens,
-                         "output_tokens": output_tokens, "warmup_requests": args.warmup_requests,
-                         "warmup_tokens": args.warmup_tokens},
-            "systems": rows, "crosscheck_reference": LABELS.get(ref, ref), "crosscheck": cross,
+            "workload": {
+                "num_requests": len(reqs),
+                "seed": args.seed,
+                "prompt_min": args.prompt_min,
+                "prompt_max": args.prompt_max,
+                "output_min": args.output_min,
+                "output_max": args.output_max,
+                "prompt_tokens": prompt_tokens,
+                "output_tokens": output_tokens,
+                "warmup_requests": args.warmup_requests,
+                "warmup_tokens": args.warmup_tokens,
+            },
+            "systems": rows,
+            "crosscheck_reference": LABELS.get(ref, ref),
+            "crosscheck": cross,
             "run_dir": str(run_dir),
         }
         write_report((REPO / args.out) if not os.path.isabs(args.out) else Path(args.out), report)

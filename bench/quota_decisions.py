@@ -20,6 +20,7 @@ Ceilings on the same machine, same concurrency:
              redis-benchmark is installed (the server's ceiling with a C client)
 Keys use a unique prefix (tfbench:quota:<uuid>:) and are deleted at the end.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,7 +62,7 @@ class Window:
         mine = _tree_ticks(os.getpid()) + (_tree_ticks(self.redis_pid) if self.redis_pid else 0)
         return _machine_busy_ticks(), mine
 
-    def __enter__(self) -> "Window":
+    def __enter__(self) -> Window:
         self.t0, self.ticks0 = time.perf_counter(), self._ticks()
         return self
 
@@ -122,13 +123,19 @@ def evalsha_stats(client: redis.Redis) -> tuple[int, int]:
     return int(stats.get("calls", 0)), int(stats.get("usec", 0))
 
 
-def measure(kind: str, args: argparse.Namespace, concurrency: int, seed: int, sync: redis.Redis,
-            redis_pid: int | None, prefix: str) -> dict:
+def measure(
+    kind: str,
+    args: argparse.Namespace,
+    concurrency: int,
+    seed: int,
+    sync: redis.Redis,
+    redis_pid: int | None,
+    prefix: str,
+) -> dict:
     async def go() -> dict:
         if kind == "redis-py":
             return await raw_evalsha(args.url, args.pool, concurrency, args.seconds)
-        quota = (MemoryQuota() if kind == "memory"
-                 else RedisQuota.from_url(args.url, prefix, max_connections=args.pool))
+        quota = MemoryQuota() if kind == "memory" else RedisQuota.from_url(args.url, prefix, max_connections=args.pool)
         try:
             return await pairs(quota, args.tenants, concurrency, args.seconds, seed)
         finally:
@@ -138,15 +145,22 @@ def measure(kind: str, args: argparse.Namespace, concurrency: int, seed: int, sy
     with Window(redis_pid) as window:
         result = asyncio.run(go())
     calls1, usec1 = evalsha_stats(sync)
-    result.update(kind=kind, concurrency=concurrency, wall=window.wall, other_cpu=window.other_cpu,
-                  server_us=(usec1 - usec0) / max(1, calls1 - calls0) if kind != "memory" else None)
+    result.update(
+        kind=kind,
+        concurrency=concurrency,
+        wall=window.wall,
+        other_cpu=window.other_cpu,
+        server_us=(usec1 - usec0) / max(1, calls1 - calls0) if kind != "memory" else None,
+    )
     return result
 
 
 def summarize(runs: list[dict]) -> dict:
     med = statistics.median
     return {
-        "kind": runs[0]["kind"], "concurrency": runs[0]["concurrency"], "runs": len(runs),
+        "kind": runs[0]["kind"],
+        "concurrency": runs[0]["concurrency"],
+        "runs": len(runs),
         "per_s": med(r["decisions"] / r["wall"] for r in runs),
         "refused": med(r["refused"] / max(1, r["decisions"]) for r in runs),
         "reserve_p50": med(percentile(r["reserve_ms"], 0.5) for r in runs),
@@ -177,14 +191,18 @@ def fmt(value: float | None, spec: str) -> str:
 
 
 def report(rows: list[dict]) -> None:
-    print("| backend | in flight | pairs/s (decision + reconcile) | reserve p50 / p99 ms | reconcile p50 / p99 ms "
-          "| Redis time per script call | refused | other CPU per run |")
+    print(
+        "| backend | in flight | pairs/s (decision + reconcile) | reserve p50 / p99 ms | reconcile p50 / p99 ms "
+        "| Redis time per script call | refused | other CPU per run |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---|")
     for s in rows:
         label = "redis-py EVALSHA `return 1` (calls/s)" if s["kind"] == "redis-py" else s["kind"]
-        print(f"| {label} | {s['concurrency']} | {s['per_s']:.0f} | {fmt(s['reserve_p50'], '.2f')} / "
-              f"{fmt(s['reserve_p99'], '.2f')} | {fmt(s['reconcile_p50'], '.2f')} / {fmt(s['reconcile_p99'], '.2f')} "
-              f"| {fmt(s['server_us'], '.1f')} us | {s['refused']:.1%} | {s['other_cpu']} |")
+        print(
+            f"| {label} | {s['concurrency']} | {s['per_s']:.0f} | {fmt(s['reserve_p50'], '.2f')} / "
+            f"{fmt(s['reserve_p99'], '.2f')} | {fmt(s['reconcile_p50'], '.2f')} / {fmt(s['reconcile_p99'], '.2f')} "
+            f"| {fmt(s['server_us'], '.1f')} us | {s['refused']:.1%} | {s['other_cpu']} |"
+        )
 
 
 def main() -> None:
@@ -211,10 +229,12 @@ def main() -> None:
     finally:
         keys = list(sync.scan_iter(match=prefix + "*", count=5000))
         for i in range(0, len(keys), 1000):
-            sync.delete(*keys[i:i + 1000])
-    print(f"python {sys.version.split()[0]}, redis-py {redis.__version__}, redis-server "
-          f"{sync.info('server')['redis_version']}, {os.cpu_count()} cores, {args.tenants} tenants x 10 users, "
-          f"pool {args.pool}, {args.repeats} x {args.seconds:g} s per row (medians)\n")
+            sync.delete(*keys[i : i + 1000])
+    print(
+        f"python {sys.version.split()[0]}, redis-py {redis.__version__}, redis-server "
+        f"{sync.info('server')['redis_version']}, {os.cpu_count()} cores, {args.tenants} tenants x 10 users, "
+        f"pool {args.pool}, {args.repeats} x {args.seconds:g} s per row (medians)\n"
+    )
     report(rows)
     print("\nredis-benchmark (-c 50, C client):")
     for line in redis_benchmark(args.url, args.benchmark_requests):

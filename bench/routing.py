@@ -50,9 +50,9 @@ Metrics, per run:
 Output: a markdown report (--out, default docs/benchmarks/routing.md) and a JSON next to it; replica and gateway
 logs, the fleet files, the workload and the raw per-request records stay in the run directory (printed at the end).
 """
+
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime as _dt
 import json
@@ -61,75 +61,84 @@ import platform
 import random
 import re
 import secrets
-import shlex
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
-from importlib.metadata import PackageNotFoundError, version as _pkg_version
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
 sys.path.insert(0, str(HERE))
+from _common import (  # noqa: E402  (stdlib only)
+    CONTENDED,
+    REPO,
+    WORDS,
+    ChatStream,
+    bench_parser,
+    command_line,
+    cpu_model,
+    given_checkpoint,
+    make_run_dir,
+    memory_total,
+    package_versions,
+    pct,
+    prompt_text,
+    report_to_rerender,
+    thread_env,
+)
 from _cpuprobe import CpuProbe  # noqa: E402  (stdlib only)
 
 ALL_RUNS = ["baseline", "round_robin", "least_loaded", "cache_aware", "cache_aware_noaff"]
-POLICY = {"baseline": "cache_aware", "round_robin": "round_robin", "least_loaded": "least_loaded",
-          "cache_aware": "cache_aware", "cache_aware_noaff": "cache_aware"}
-LABELS = {"baseline": "single replica, combined cache (baseline)", "round_robin": "round_robin",
-          "least_loaded": "least_loaded", "cache_aware": "cache_aware",
-          "cache_aware_noaff": "cache_aware, no x-conversation-id"}
-CONTENDED = 0.10
+POLICY = {
+    "baseline": "cache_aware",
+    "round_robin": "round_robin",
+    "least_loaded": "least_loaded",
+    "cache_aware": "cache_aware",
+    "cache_aware_noaff": "cache_aware",
+}
+LABELS = {
+    "baseline": "single replica, combined cache (baseline)",
+    "round_robin": "round_robin",
+    "least_loaded": "least_loaded",
+    "cache_aware": "cache_aware",
+    "cache_aware_noaff": "cache_aware, no x-conversation-id",
+}
 SERVED = "demo"
 TIER = "bench"
 HIT_TARGET, IMBALANCE_TARGET = 0.90, 1.25
-
-WORDS = """the of and to in is was that for it with as his on be at by had are but from or have an they which one
-you were her all she there would their we him been has when who will more no if out so said what up its about into
-than them can only other new some could time these two may then do first any my now such like our over man me even
-most made after also did many before must through back years where much your way well down should because each just
-those people how too little state good very make world still own see men work long get here between both life being
-under never day same another know while last might us great old year off come since against go came right used take
-three states himself few house use during without again place around however home small found thought went say part
-once general high upon school every does got united left number course war until always away something fact though
-water less public put think almost hand enough far took head yet government system better set told nothing night end
-why called didn find going look asked later knew point next program city business give group toward young days let
-room president side social given present several order national possible rather second face per among form important
-often things looking early white case john become large big need four within felt along children saw best church ever
-least power development light thing seemed family interest want members mind country area others done turned although
-open god service certain kind problem began different door thus help sense means whole matter perhaps itself york
-times law human line above name example action company hands local show whether five history gave today either act
-feet across taken past quite anything seen having death experience body word half really week field car words already
-themselves information tell college shall money period held keep sure free real probably seems political cannot
-behind miss question air office making brought whose special heard major problems ago became federal moment study
-available known result street economic boy position reason change south board individual job society areas west close
-turn love community true court force full""".split()
 
 
 # ----------------------------------------------------------------------------------------------------------------- #
 # checkpoint and workload
 # ----------------------------------------------------------------------------------------------------------------- #
 
+
 def ensure_checkpoint(args) -> tuple[Path, str]:
     if args.model:
-        d = Path(args.model).resolve()
-        if not (d / "config.json").exists():
-            sys.exit(f"--model {d}: no config.json")
-        return d, "given (--model)"
+        return given_checkpoint(args.model)
     d = Path(args.ckpt_root) / f"demo-{args.size}"
     if not (d / "model.safetensors").exists() or not (d / "tokenizer.json").exists():
-        subprocess.run([sys.executable, "-m", "tokenfleet", "demo-model", str(d), "--size", args.size],
-                       check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-m", "tokenfleet", "demo-model", str(d), "--size", args.size],
+            check=True,
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+        )
     return d, f"`python -m tokenfleet demo-model DIR --size {args.size}` (random weights)"
 
 
 def checkpoint_info(model_dir: Path) -> dict:
     cfg = json.loads((model_dir / "config.json").read_text())
-    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
-            "max_position_embeddings", "torch_dtype")
+    keys = (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "max_position_embeddings",
+        "torch_dtype",
+    )
     info = {k: cfg.get(k) for k in keys}
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(cfg.get("torch_dtype") or "float32", 4)
@@ -138,28 +147,25 @@ def checkpoint_info(model_dir: Path) -> dict:
     return info
 
 
-def _text(rng: random.Random, tok, n_tokens: int) -> str:
-    """Random words cut to exactly n_tokens tokens of the checkpoint's tokenizer (every word is >= 1 token)."""
-    text = " ".join(rng.choice(WORDS) for _ in range(n_tokens))
-    enc = tok.encode(text, add_special_tokens=False)
-    if len(enc.ids) > n_tokens:
-        text = text[: enc.offsets[n_tokens - 1][1]]
-    return text
-
-
 def make_workload(args, model_dir: Path) -> dict:
     from tokenizers import Tokenizer  # light (no torch)
 
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     rng = random.Random(f"routing/{args.seed}")  # str seeds are deterministic
-    systems = [f"You are assistant number {i}. " + _text(rng, tok, args.system_tokens)
-               for i in range(args.system_prompts)]
+    systems = [
+        f"You are assistant number {i}. " + prompt_text(rng, tok, args.system_tokens)
+        for i in range(args.system_prompts)
+    ]
     conversations = []
     for c in range(args.conversations):
         turns = rng.randint(args.turns_min, args.turns_max)
-        conversations.append({"id": f"conv-{c}", "system": rng.randrange(args.system_prompts),
-                              "users": [_text(rng, tok, rng.randint(args.user_min, args.user_max))
-                                        for _ in range(turns)]})
+        conversations.append(
+            {
+                "id": f"conv-{c}",
+                "system": rng.randrange(args.system_prompts),
+                "users": [prompt_text(rng, tok, rng.randint(args.user_min, args.user_max)) for _ in range(turns)],
+            }
+        )
     return {"seed": args.seed, "systems": systems, "conversations": conversations}
 
 
@@ -167,21 +173,17 @@ def make_workload(args, model_dir: Path) -> dict:
 # processes
 # ----------------------------------------------------------------------------------------------------------------- #
 
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def child_env(args) -> dict:
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
-    return env
-
-
 def spawn(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
+    )
 
 
 def stop(procs: list[subprocess.Popen], timeout: float = 10.0) -> None:
@@ -207,8 +209,9 @@ def wait_healthy(httpx, url: str, proc: subprocess.Popen, timeout: float, log: P
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{url}: process exited with {proc.returncode}; see {log}:\n"
-                               + log.read_text(errors="replace")[-2000:])
+            raise RuntimeError(
+                f"{url}: process exited with {proc.returncode}; see {log}:\n" + log.read_text(errors="replace")[-2000:]
+            )
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return
@@ -237,46 +240,30 @@ def scrape(httpx, url: str) -> dict[str, float]:
 # client
 # ----------------------------------------------------------------------------------------------------------------- #
 
+
 async def stream_turn(client, url: str, headers: dict, body: dict, timeout: float) -> dict:
-    text: list[str] = []
-    first = usage = err = finish = None
+    stream, err = ChatStream(), None
     send = time.perf_counter()
     try:
         async with asyncio.timeout(timeout):
             async with client.stream("POST", url, json=body, headers=headers) as r:
-                if r.status_code != 200:
-                    err = f"HTTP {r.status_code}: {(await r.aread())[:300].decode(errors='replace')}"
-                else:
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data:"):
-                            continue  # id:, event:, ": ping" comments, blank lines
-                        data = line[5:].strip()
-                        if data == "[DONE]":
-                            break
-                        obj = json.loads(data)
-                        if obj.get("error") is not None or obj.get("object") == "error":
-                            err = f"error event: {str(obj.get('error', obj))[:300]}"
-                            break
-                        if obj.get("usage"):
-                            usage = obj["usage"]
-                        for ch in obj.get("choices") or []:
-                            piece = (ch.get("delta") or {}).get("content")
-                            if piece:
-                                if first is None:
-                                    first = time.perf_counter()
-                                text.append(piece)
-                            if ch.get("finish_reason"):
-                                finish = ch["finish_reason"]
+                err = await stream.read(r)
     except TimeoutError:
         err = f"timed out after {timeout:.0f}s"
     except Exception as e:  # noqa: BLE001  (connection errors etc.: the request failed)
         err = f"{e.__class__.__name__}: {e}"[:300]
     end = time.perf_counter()
-    usage = usage or {}
-    rec = {"send": send, "end": end, "ttft": None if first is None else first - send, "finish": finish,
-           "prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens"),
-           "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
-           "text": "".join(text)}
+    first, usage = stream.first_content_at, stream.usage or {}
+    rec = {
+        "send": send,
+        "end": end,
+        "ttft": None if first is None else first - send,
+        "finish": stream.finish,
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "completion_tokens": usage.get("completion_tokens"),
+        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+        "text": "".join(piece for _, piece in stream.content),
+    }
     if err is None and (first is None or usage.get("prompt_tokens") is None):
         err = "no content chunk" if first is None else "no usage in the stream"
     rec["error"] = err
@@ -298,11 +285,19 @@ async def run_workload(httpx, base: str, key: str, wl: dict, args, affinity: boo
             headers["x-conversation-id"] = conv["id"]
         for turn, user in enumerate(conv["users"]):
             messages.append({"role": "user", "content": user})
-            body = {"model": SERVED, "messages": messages, "max_tokens": args.max_tokens, "temperature": 0,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            body = {
+                "model": SERVED,
+                "messages": messages,
+                "max_tokens": args.max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             rec = await stream_turn(client, url, headers, body, args.request_timeout)
-            rec.update(conversation=conv["id"], turn=turn, system=conv["system"], send=rec["send"] - t0,
-                       end=rec["end"] - t0)
+            rec.update(
+                conversation=conv["id"], turn=turn, system=conv["system"], send=rec["send"] - t0, end=rec["end"] - t0
+            )
             records.append(rec)
             if rec["error"]:
                 return  # the history is broken: the rest of this conversation is not sent
@@ -364,15 +359,21 @@ def route_lines(log: Path, start: int) -> dict:
         per_replica[replica] = per_replica.get(replica, 0) + 1
         skipped += skip
         passed_over += skip > 0
-    return {"reasons": reasons, "per_replica": per_replica, "candidates_skipped": skipped,
-            "requests_with_skips": passed_over}
+    return {
+        "reasons": reasons,
+        "per_replica": per_replica,
+        "candidates_skipped": skipped,
+        "requests_with_skips": passed_over,
+    }
 
 
 def fleet_file(path: Path, model_dir: Path, urls: list[str], port: int, policy: str, args, admin: str) -> None:
     import yaml
 
     config = {
-        "port": port, "admin_key": admin, "database_url": f"sqlite:///{path.with_suffix('.db')}",
+        "port": port,
+        "admin_key": admin,
+        "database_url": f"sqlite:///{path.with_suffix('.db')}",
         "models": [{"name": SERVED, "path": str(model_dir), "pools": [{"name": "local", "replicas": urls}]}],
         "routing": {"policy": policy, "load_bound": args.load_bound},
         "tiers": {TIER: {"priority": 0, "weight": 1}},
@@ -384,24 +385,23 @@ def fleet_file(path: Path, model_dir: Path, urls: list[str], port: int, policy: 
 def warm_replica(httpx, url: str, rng: random.Random) -> None:
     for n in (24, 200):
         content = "warm up " + " ".join(rng.choice(WORDS) for _ in range(n))
-        r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
-            "model": SERVED, "messages": [{"role": "user", "content": content}], "max_tokens": 4,
-            "ignore_eos": True, "temperature": 0})
+        r = httpx.post(
+            f"{url}/v1/chat/completions",
+            timeout=120,
+            json={
+                "model": SERVED,
+                "messages": [{"role": "user", "content": content}],
+                "max_tokens": 4,
+                "ignore_eos": True,
+                "temperature": 0,
+            },
+        )
         r.raise_for_status()
 
 
 def imbalance(values: list[float]) -> float | None:
     mean = sum(values) / len(values) if values else 0
     return max(values) / mean if mean > 0 else None
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def run_one(name: str, args, model_dir: Path, wl: dict, run_dir: Path) -> dict:
@@ -412,7 +412,7 @@ def run_one(name: str, args, model_dir: Path, wl: dict, run_dir: Path) -> dict:
     policy, affinity = POLICY[name], name != "cache_aware_noaff"
     logs = run_dir / name
     logs.mkdir(parents=True, exist_ok=True)
-    env = child_env(args)
+    env = thread_env(args.threads)
     ports = [free_port() for _ in range(n)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     print(f"\n== {LABELS[name]}: {n} replica(s) x {kv:.4g} GiB KV, policy {policy}, affinity header {affinity}")
@@ -420,10 +420,30 @@ def run_one(name: str, args, model_dir: Path, wl: dict, run_dir: Path) -> dict:
     procs: list[subprocess.Popen] = []
     try:
         for i, port in enumerate(ports):
-            procs.append(spawn([sys.executable, "-m", "tokenfleet", "replica", "--model", str(model_dir),
-                                "--port", str(port), "--served-model-name", SERVED, "--kv-cache-gib", f"{kv:.6g}",
-                                "--max-model-len", str(args.max_model_len), "--drain-timeout", "2"],
-                               logs / f"replica{i}.log", env))
+            procs.append(
+                spawn(
+                    [
+                        sys.executable,
+                        "-m",
+                        "tokenfleet",
+                        "replica",
+                        "--model",
+                        str(model_dir),
+                        "--port",
+                        str(port),
+                        "--served-model-name",
+                        SERVED,
+                        "--kv-cache-gib",
+                        f"{kv:.6g}",
+                        "--max-model-len",
+                        str(args.max_model_len),
+                        "--drain-timeout",
+                        "2",
+                    ],
+                    logs / f"replica{i}.log",
+                    env,
+                )
+            )
         for i, (u, p) in enumerate(zip(urls, procs)):
             wait_healthy(httpx, u, p, 300, logs / f"replica{i}.log")
         rng = random.Random(f"routing-warm/{name}")
@@ -433,18 +453,32 @@ def run_one(name: str, args, model_dir: Path, wl: dict, run_dir: Path) -> dict:
         gport, admin = free_port(), secrets.token_hex(16)
         fleet_file(logs / "fleet.yaml", model_dir, urls, gport, policy, args, admin)
         glog = logs / "gateway.log"
-        gateway = spawn([sys.executable, "-m", "tokenfleet", "gateway", "--config", str(logs / "fleet.yaml")], glog,
-                        env)
+        gateway = spawn(
+            [sys.executable, "-m", "tokenfleet", "gateway", "--config", str(logs / "fleet.yaml")], glog, env
+        )
         procs.append(gateway)
         base = f"http://127.0.0.1:{gport}"
         wait_healthy(httpx, base, gateway, 300, glog)
-        r = httpx.post(f"{base}/admin/v1/keys", json={"org": "bench-org", "user": "bench", "tier": TIER},
-                       headers={"Authorization": f"Bearer {admin}"}, timeout=30)
+        r = httpx.post(
+            f"{base}/admin/v1/keys",
+            json={"org": "bench-org", "user": "bench", "tier": TIER},
+            headers={"Authorization": f"Bearer {admin}"},
+            timeout=30,
+        )
         r.raise_for_status()
         key = r.json()["key"]
-        r = httpx.post(f"{base}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120, json={
-            "model": SERVED, "messages": [{"role": "user", "content": "warm up the gateway"}], "max_tokens": 4,
-            "ignore_eos": True, "temperature": 0})
+        r = httpx.post(
+            f"{base}/v1/chat/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=120,
+            json={
+                "model": SERVED,
+                "messages": [{"role": "user", "content": "warm up the gateway"}],
+                "max_tokens": 4,
+                "ignore_eos": True,
+                "temperature": 0,
+            },
+        )
         r.raise_for_status()
         time.sleep(1.5)  # let a load report come in after the warm-up
         setup_s = time.perf_counter() - t_start
@@ -488,28 +522,54 @@ def run_one(name: str, args, model_dir: Path, wl: dict, run_dir: Path) -> dict:
     ttft = [1e3 * r["ttft"] for r in ok]
     later = [1e3 * r["ttft"] for r in ok if r["turn"] > 0]
     row = {
-        "name": name, "label": LABELS[name], "replicas": n, "kv_cache_gib_per_replica": kv,
-        "num_blocks_per_replica": blocks, "policy": policy, "affinity_header": affinity,
+        "name": name,
+        "label": LABELS[name],
+        "replicas": n,
+        "kv_cache_gib_per_replica": kv,
+        "num_blocks_per_replica": blocks,
+        "policy": policy,
+        "affinity_header": affinity,
         "load_bound": args.load_bound if policy == "cache_aware" else None,
-        "requests": len(records), "ok": len(ok), "errors": sorted({r["error"] for r in records if r["error"]})[:5],
+        "requests": len(records),
+        "ok": len(ok),
+        "errors": sorted({r["error"] for r in records if r["error"]})[:5],
         "expected_requests": sum(len(c["users"]) for c in wl["conversations"]),
-        "prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt if prompt else None,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "hit_rate": cached / prompt if prompt else None,
         "replica_hit_rate": sum(hits) / sum(queries) if sum(queries) else None,
-        "ttft_ms": {"p50": pct(ttft, 0.5), "p90": pct(ttft, 0.9), "p99": pct(ttft, 0.99), "max": max(ttft, default=None)},
-        "ttft_later_turns_ms": {"p50": pct(later, 0.5), "p99": pct(later, 0.99)},
-        "per_replica": {"url": urls, "requests": req, "prompt_tokens": ptoks, "cached_tokens": hits,
-                        "computed_prompt_tokens": computed, "busy_request_seconds": busy,
-                        "peak_running_waiting": [loads_out.get("peak_running_waiting", {}).get(u) for u in urls],
-                        "preemptions": delta("vllm:num_preemptions_total")},
-        "imbalance": {"requests": imbalance(req), "computed_prompt_tokens": imbalance(computed),
-                      "prompt_tokens": imbalance(ptoks), "busy": imbalance(busy)},
-        "routes": routes, "wall_s": wall, "setup_s": setup_s, "requests_per_s": len(ok) / wall if wall else None,
-        "others_cpu": others, "load_samples": loads_out.get("samples"), "logs": str(logs),
+        "ttft_ms": {"p50": pct(ttft, 50), "p90": pct(ttft, 90), "p99": pct(ttft, 99), "max": max(ttft, default=None)},
+        "ttft_later_turns_ms": {"p50": pct(later, 50), "p99": pct(later, 99)},
+        "per_replica": {
+            "url": urls,
+            "requests": req,
+            "prompt_tokens": ptoks,
+            "cached_tokens": hits,
+            "computed_prompt_tokens": computed,
+            "busy_request_seconds": busy,
+            "peak_running_waiting": [loads_out.get("peak_running_waiting", {}).get(u) for u in urls],
+            "preemptions": delta("vllm:num_preemptions_total"),
+        },
+        "imbalance": {
+            "requests": imbalance(req),
+            "computed_prompt_tokens": imbalance(computed),
+            "prompt_tokens": imbalance(ptoks),
+            "busy": imbalance(busy),
+        },
+        "routes": routes,
+        "wall_s": wall,
+        "setup_s": setup_s,
+        "requests_per_s": len(ok) / wall if wall else None,
+        "others_cpu": others,
+        "load_samples": loads_out.get("samples"),
+        "logs": str(logs),
     }
     hr = row["hit_rate"]
-    print(f"   {len(ok)}/{len(records)} ok in {wall:.1f}s (setup {setup_s:.0f}s); hit rate "
-          f"{'-' if hr is None else f'{100 * hr:.1f}%'}; TTFT p50/p99 {_f(row['ttft_ms']['p50'])}/"
-          f"{_f(row['ttft_ms']['p99'])} ms; requests per replica {[int(x) for x in req]}; routes {routes['reasons']}")
+    print(
+        f"   {len(ok)}/{len(records)} ok in {wall:.1f}s (setup {setup_s:.0f}s); hit rate "
+        f"{'-' if hr is None else f'{100 * hr:.1f}%'}; TTFT p50/p99 {_f(row['ttft_ms']['p50'])}/"
+        f"{_f(row['ttft_ms']['p99'])} ms; requests per replica {[int(x) for x in req]}; routes {routes['reasons']}"
+    )
     return row
 
 
@@ -521,37 +581,15 @@ def _f(x, digits: int = 0) -> str:
 # report
 # ----------------------------------------------------------------------------------------------------------------- #
 
-def versions() -> dict:
-    v = {}
-    for pkg in ("tokenfleet", "torch", "httpx", "uvicorn", "fastapi"):
-        try:
-            v[pkg] = _pkg_version(pkg)
-        except PackageNotFoundError:
-            v[pkg] = None
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "tokenfleet"], capture_output=True, text=True,
-                               cwd=REPO, timeout=10).stdout.strip()
-        if head:
-            v["tokenfleet"] = f"{v['tokenfleet']} (git {head}{', uncommitted changes in tokenfleet/' if dirty else ''})"
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return v
-
 
 def machine_info(args) -> dict:
-    cpu, mem = platform.processor() or "?", "?"
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                   if ln.startswith("model name"))
-        kb = int(next(ln for ln in Path("/proc/meminfo").read_text().splitlines()
-                      if ln.startswith("MemTotal")).split()[1])
-        mem = f"{kb / 2**20:.1f} GiB"
-    except (OSError, StopIteration, ValueError):
-        pass
-    return {"cores": os.cpu_count(), "cpu": cpu, "memory": mem, "python": platform.python_version(),
-            "threads_per_process": args.threads}
+    return {
+        "cores": os.cpu_count(),
+        "cpu": cpu_model(),
+        "memory": memory_total(),
+        "python": platform.python_version(),
+        "threads_per_process": args.threads,
+    }
 
 
 def write_report(path: Path, rep: dict) -> None:
@@ -563,39 +601,50 @@ def write_report(path: Path, rep: dict) -> None:
     base_hr = base["hit_rate"] if base else None
     info = c["info"]
     kv_tok = lambda gib: gib * 2**30 / info["kv_bytes_per_token"]  # noqa: E731
-    L = [f"# Fleet routing — {rep['date']}", "",
-         f"Command: `{rep['command']}`", "",
-         f"Machine: {m['cores']} cores ({m['cpu']}), {m['memory']} RAM, {m['threads_per_process']} torch thread(s) "
-         f"per process; Python {m['python']}; versions: "
-         + ", ".join(f"{k} {v}" for k, v in rep["versions"].items()) + ". Every replica, the gateway and the "
-         "client share these cores, and other work (other engineers' test runs) may have been running on the "
-         "machine at the same time: see the \"other CPU\" column.", "",
-         f"Checkpoint: `{c['dir']}` — {c['source']}; hidden {info['hidden_size']}, layers "
-         f"{info['num_hidden_layers']}, heads {info['num_attention_heads']}/{info['num_key_value_heads']} kv, "
-         f"{info['torch_dtype']}: {info['kv_bytes_per_token']} bytes of KV cache per token.", "",
-         f"Fleet: {w['replicas']} replicas (`python -m tokenfleet replica`, one process each) with "
-         f"`--kv-cache-gib {w['kv_cache_gib']:g}` each (~{kv_tok(w['kv_cache_gib']):.0f} tokens, "
-         f"{_blocks(rows, 'round_robin')} blocks), one `tokenfleet gateway` per run; the baseline is ONE replica with "
-         f"{w['replicas']}x that ({w['replicas'] * w['kv_cache_gib']:g} GiB, ~{kv_tok(w['replicas'] * w['kv_cache_gib']):.0f}"
-         f" tokens, {_blocks(rows, 'baseline')} blocks) behind the same gateway. Replicas and gateway are restarted "
-         f"for every run (cold caches, empty prefix index). `load_bound` {w['load_bound']:g} (cache_aware).", "",
-         f"Workload (seed {w['seed']}, the same for every run): {w['conversations']} conversations, "
-         f"{w['system_prompts']} shared system prompts of ~{w['system_tokens']} tokens, {w['turns_min']}–"
-         f"{w['turns_max']} turns each ({w['total_requests']} requests), user messages {w['user_min']}–{w['user_max']}"
-         f" tokens, replies max_tokens {w['max_tokens']} with ignore_eos; each turn sends the full history "
-         f"(with the replies the server returned); {w['concurrency']} conversations in flight; streaming chat "
-         f"completions with `x-conversation-id` unless the run says otherwise.", "",
-         "Hit rate = Σ usage.prompt_tokens_details.cached_tokens / Σ usage.prompt_tokens over all requests (the "
-         "replicas' own vllm:prefix_cache_hits/queries in brackets). TTFT = send → first non-empty content chunk, "
-         "through the gateway. Imbalance = max/mean over replicas of requests served (vllm:request_success), of "
-         "prompt tokens computed (prompt − cache hits: the prefill work) and of time-integrated running+waiting "
-         "(/load sampled every "
-         f"{w['sample_s']:g} s). Targets: hit rate ≥ {100 * HIT_TARGET:.0f} % of the baseline's, max/mean (requests) "
-         f"≤ {IMBALANCE_TARGET}.", "",
-         "## Results", "",
-         "| run | ok | hit rate | % of baseline | TTFT p50 ms | TTFT p99 ms | max/mean requests | max/mean prefill "
-         "computed | max/mean busy | req/s | other CPU | targets |",
-         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    L = [
+        f"# Fleet routing — {rep['date']}",
+        "",
+        f"Command: `{rep['command']}`",
+        "",
+        f"Machine: {m['cores']} cores ({m['cpu']}), {m['memory']} RAM, {m['threads_per_process']} torch thread(s) "
+        f"per process; Python {m['python']}; versions: "
+        + ", ".join(f"{k} {v}" for k, v in rep["versions"].items())
+        + ". Every replica, the gateway and the "
+        "client share these cores, and other work (other engineers' test runs) may have been running on the "
+        'machine at the same time: see the "other CPU" column.',
+        "",
+        f"Checkpoint: `{c['dir']}` — {c['source']}; hidden {info['hidden_size']}, layers "
+        f"{info['num_hidden_layers']}, heads {info['num_attention_heads']}/{info['num_key_value_heads']} kv, "
+        f"{info['torch_dtype']}: {info['kv_bytes_per_token']} bytes of KV cache per token.",
+        "",
+        f"Fleet: {w['replicas']} replicas (`python -m tokenfleet replica`, one process each) with "
+        f"`--kv-cache-gib {w['kv_cache_gib']:g}` each (~{kv_tok(w['kv_cache_gib']):.0f} tokens, "
+        f"{_blocks(rows, 'round_robin')} blocks), one `tokenfleet gateway` per run; the baseline is ONE replica with "
+        f"{w['replicas']}x that ({w['replicas'] * w['kv_cache_gib']:g} GiB, ~{kv_tok(w['replicas'] * w['kv_cache_gib']):.0f}"
+        f" tokens, {_blocks(rows, 'baseline')} blocks) behind the same gateway. Replicas and gateway are restarted "
+        f"for every run (cold caches, empty prefix index). `load_bound` {w['load_bound']:g} (cache_aware).",
+        "",
+        f"Workload (seed {w['seed']}, the same for every run): {w['conversations']} conversations, "
+        f"{w['system_prompts']} shared system prompts of ~{w['system_tokens']} tokens, {w['turns_min']}–"
+        f"{w['turns_max']} turns each ({w['total_requests']} requests), user messages {w['user_min']}–{w['user_max']}"
+        f" tokens, replies max_tokens {w['max_tokens']} with ignore_eos; each turn sends the full history "
+        f"(with the replies the server returned); {w['concurrency']} conversations in flight; streaming chat "
+        f"completions with `x-conversation-id` unless the run says otherwise.",
+        "",
+        "Hit rate = Σ usage.prompt_tokens_details.cached_tokens / Σ usage.prompt_tokens over all requests (the "
+        "replicas' own vllm:prefix_cache_hits/queries in brackets). TTFT = send → first non-empty content chunk, "
+        "through the gateway. Imbalance = max/mean over replicas of requests served (vllm:request_success), of "
+        "prompt tokens computed (prompt − cache hits: the prefill work) and of time-integrated running+waiting "
+        "(/load sampled every "
+        f"{w['sample_s']:g} s). Targets: hit rate ≥ {100 * HIT_TARGET:.0f} % of the baseline's, max/mean (requests) "
+        f"≤ {IMBALANCE_TARGET}.",
+        "",
+        "## Results",
+        "",
+        "| run | ok | hit rate | % of baseline | TTFT p50 ms | TTFT p99 ms | max/mean requests | max/mean prefill "
+        "computed | max/mean busy | req/s | other CPU | targets |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in rows:
         hr = r["hit_rate"]
         rel = hr / base_hr if (hr is not None and base_hr) else None
@@ -607,48 +656,75 @@ def write_report(path: Path, rep: dict) -> None:
             load_ok = imb["requests"] is not None and imb["requests"] <= IMBALANCE_TARGET
             verdict = f"hit {'✅' if hit_ok else '❌'} load {'✅' if load_ok else '❌'}"
         oc = r["others_cpu"]
-        L.append(f"| {r['label']} | {r['ok']}/{r['expected_requests']} | {_p(hr)} ({_p(r['replica_hit_rate'])}) | "
-                 f"{'-' if rel is None else f'{100 * rel:.1f} %'} | {_f(r['ttft_ms']['p50'])} | "
-                 f"{_f(r['ttft_ms']['p99'])} | {_f(imb['requests'], 2)} | {_f(imb['computed_prompt_tokens'], 2)} | "
-                 f"{_f(imb['busy'], 2)} | {_f(r['requests_per_s'], 2)} | "
-                 f"{'-' if oc is None else f'{100 * oc:.0f} %'}{' ⚠' if (oc or 0) > CONTENDED else ''} | {verdict} |")
-    L += ["", "## Per replica", "",
-          "| run | requests | prompt tokens | cached | computed | busy (request·s) | peak running+waiting | "
-          "preemptions |",
-          "|---|---|---|---|---|---|---|---|"]
+        L.append(
+            f"| {r['label']} | {r['ok']}/{r['expected_requests']} | {_p(hr)} ({_p(r['replica_hit_rate'])}) | "
+            f"{'-' if rel is None else f'{100 * rel:.1f} %'} | {_f(r['ttft_ms']['p50'])} | "
+            f"{_f(r['ttft_ms']['p99'])} | {_f(imb['requests'], 2)} | {_f(imb['computed_prompt_tokens'], 2)} | "
+            f"{_f(imb['busy'], 2)} | {_f(r['requests_per_s'], 2)} | "
+            f"{'-' if oc is None else f'{100 * oc:.0f} %'}{' ⚠' if (oc or 0) > CONTENDED else ''} | {verdict} |"
+        )
+    L += [
+        "",
+        "## Per replica",
+        "",
+        "| run | requests | prompt tokens | cached | computed | busy (request·s) | peak running+waiting | "
+        "preemptions |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         p = r["per_replica"]
         fmt = lambda xs: " / ".join("-" if x is None else f"{x:.0f}" for x in xs)  # noqa: E731
-        L.append(f"| {r['label']} | {fmt(p['requests'])} | {fmt(p['prompt_tokens'])} | {fmt(p['cached_tokens'])} | "
-                 f"{fmt(p['computed_prompt_tokens'])} | {fmt(p['busy_request_seconds'])} | "
-                 f"{fmt(p['peak_running_waiting'])} | {fmt(p['preemptions'])} |")
-    L += ["", "## Routing decisions (gateway log)", "",
-          "| run | reasons | requests where the load bound passed over a preferred replica | TTFT p50/p99 ms, turns ≥ 2 |"
-          " wall s |", "|---|---|---:|---:|---:|"]
+        L.append(
+            f"| {r['label']} | {fmt(p['requests'])} | {fmt(p['prompt_tokens'])} | {fmt(p['cached_tokens'])} | "
+            f"{fmt(p['computed_prompt_tokens'])} | {fmt(p['busy_request_seconds'])} | "
+            f"{fmt(p['peak_running_waiting'])} | {fmt(p['preemptions'])} |"
+        )
+    L += [
+        "",
+        "## Routing decisions (gateway log)",
+        "",
+        "| run | reasons | requests where the load bound passed over a preferred replica | TTFT p50/p99 ms, turns ≥ 2 |"
+        " wall s |",
+        "|---|---|---:|---:|---:|",
+    ]
     for r in rows:
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(r["routes"]["reasons"].items())) or "-"
         lt = r["ttft_later_turns_ms"]
-        L.append(f"| {r['label']} | {reasons} | {r['routes']['requests_with_skips']} | {_f(lt['p50'])} / "
-                 f"{_f(lt['p99'])} | {r['wall_s']:.0f} |")
+        L.append(
+            f"| {r['label']} | {reasons} | {r['routes']['requests_with_skips']} | {_f(lt['p50'])} / "
+            f"{_f(lt['p99'])} | {r['wall_s']:.0f} |"
+        )
     if any("loss_vs_baseline" in r for r in rows):
-        L += ["", "## Hits missing against the baseline (same conversation and turn)", "",
-              "Cached tokens the baseline got and the run did not, as a share of all prompt tokens: on first turns (a "
-              "replica prefilling a system prompt it had not seen yet) and on later turns (the conversation's history "
-              "was not on the replica its turn went to).", "",
-              "| run | first turns | later turns | later turns more than one block short |", "|---|---:|---:|---:|"]
+        L += [
+            "",
+            "## Hits missing against the baseline (same conversation and turn)",
+            "",
+            "Cached tokens the baseline got and the run did not, as a share of all prompt tokens: on first turns (a "
+            "replica prefilling a system prompt it had not seen yet) and on later turns (the conversation's history "
+            "was not on the replica its turn went to).",
+            "",
+            "| run | first turns | later turns | later turns more than one block short |",
+            "|---|---:|---:|---:|",
+        ]
         for r in rows:
             x = r.get("loss_vs_baseline")
             if x:
                 t = x["baseline_prompt_tokens"] or 1
-                L.append(f"| {r['label']} | {100 * x['first_turn_tokens'] / t:.1f} % | "
-                         f"{100 * x['later_turn_tokens'] / t:.1f} % | {x['later_turns_short']} |")
+                L.append(
+                    f"| {r['label']} | {100 * x['first_turn_tokens'] / t:.1f} % | "
+                    f"{100 * x['later_turn_tokens'] / t:.1f} % | {x['later_turns_short']} |"
+                )
     errors = [(r["label"], e) for r in rows for e in r["errors"]]
     if errors:
         L += ["", "Errors: " + "; ".join(f"{lab}: {e}" for lab, e in errors)]
     if rep.get("notes"):
         L += ["", "## Reading", ""] + [f"{n}\n" for n in rep["notes"]]
-    L += ["", f"Total run time {rep['total_s']:.0f} s. Run directory (logs, fleet files, workload, per-request "
-          f"records): `{rep['run_dir']}`.", ""]
+    L += [
+        "",
+        f"Total run time {rep['total_s']:.0f} s. Run directory (logs, fleet files, workload, per-request "
+        f"records): `{rep['run_dir']}`.",
+        "",
+    ]
     path.write_text("\n".join(L))
     print(f"wrote {path} and {path.with_suffix('.json')}")
 
@@ -684,8 +760,12 @@ def add_losses(rep: dict) -> None:
             else:
                 later += lost
                 moved += lost > 16  # more than one block short of the baseline on a later turn
-        r["loss_vs_baseline"] = {"first_turn_tokens": first, "later_turn_tokens": later,
-                                 "later_turns_short": moved, "baseline_prompt_tokens": total}
+        r["loss_vs_baseline"] = {
+            "first_turn_tokens": first,
+            "later_turn_tokens": later,
+            "later_turns_short": moved,
+            "baseline_prompt_tokens": total,
+        }
 
 
 def _blocks(rows: list[dict], name: str) -> str:
@@ -701,16 +781,20 @@ def _p(x) -> str:
 # main
 # ----------------------------------------------------------------------------------------------------------------- #
 
+
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--runs", default=",".join(ALL_RUNS), help=f"comma separated, from {ALL_RUNS}")
     p.add_argument("--size", default="small", choices=["tiny", "small", "medium"], help="demo checkpoint size")
     p.add_argument("--model", default=None, help="a checkpoint folder instead of the demo checkpoint")
     p.add_argument("--ckpt-root", default="/tmp/tokenfleet-bench/routing-checkpoints")
     p.add_argument("--replicas", type=int, default=4)
-    p.add_argument("--kv-cache-gib", type=float, default=0.0125,
-                   help="per replica (the baseline gets --replicas x this); small demo: 0.0125 GiB = 400 blocks")
+    p.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=0.0125,
+        help="per replica (the baseline gets --replicas x this); small demo: 0.0125 GiB = 400 blocks",
+    )
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--load-bound", type=float, default=1.25)
     p.add_argument("--threads", type=int, default=1, help="OMP/MKL threads per replica and gateway process")
@@ -729,32 +813,35 @@ def main(argv=None) -> None:
     p.add_argument("--run-dir", default=None)
     p.add_argument("--out", default="docs/benchmarks/routing.md", help="markdown report ('' = none); JSON next to it")
     p.add_argument("--note", action="append", default=[], help="a paragraph for the report's Reading section")
-    p.add_argument("--rerender", default=None, metavar="JSON",
-                   help="run nothing: rewrite the markdown from a previous run's JSON (plus any --note)")
+    p.add_argument(
+        "--rerender",
+        default=None,
+        metavar="JSON",
+        help="run nothing: rewrite the markdown from a previous run's JSON (plus any --note)",
+    )
     args = p.parse_args(argv)
 
     if args.rerender:
-        src = Path(args.rerender)
-        rep = json.loads(src.read_text())
-        rep["notes"] = rep.get("notes", []) + args.note
+        rep, md = report_to_rerender(args)
         add_losses(rep)
-        write_report(src.with_suffix(".md"), rep)
+        write_report(md, rep)
         return
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     bad = [r for r in runs if r not in ALL_RUNS]
     if bad:
         p.error(f"unknown runs {bad}; choose from {ALL_RUNS}")
-    command = "python " + " ".join(shlex.quote(a) for a in ([os.path.relpath(__file__, REPO)] + sys.argv[1:]))
+    command = command_line(__file__)
 
     model_dir, source = ensure_checkpoint(args)
     info = checkpoint_info(model_dir)
-    run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="tokenfleet-routing-"))
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = make_run_dir(args.run_dir, "tokenfleet-routing-")
     wl = make_workload(args, model_dir)
     (run_dir / "workload.json").write_text(json.dumps(wl))
     total_requests = sum(len(c["users"]) for c in wl["conversations"])
-    print(f"checkpoint {model_dir}; workload: {args.conversations} conversations, {total_requests} requests "
-          f"-> {run_dir / 'workload.json'}")
+    print(
+        f"checkpoint {model_dir}; workload: {args.conversations} conversations, {total_requests} requests "
+        f"-> {run_dir / 'workload.json'}"
+    )
 
     t_all = time.perf_counter()
     rows = [run_one(name, args, model_dir, wl, run_dir) for name in runs]
@@ -762,14 +849,38 @@ def main(argv=None) -> None:
     print(f"\nall runs done in {total:.0f}s; run dir: {run_dir}")
     if not args.out:
         return
-    rep = {"date": _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"), "command": command,
-           "machine": machine_info(args), "versions": versions(),
-           "checkpoint": {"dir": str(model_dir), "source": source, "info": info},
-           "workload": {k: getattr(args, k) for k in (
-               "seed", "conversations", "system_prompts", "system_tokens", "turns_min", "turns_max", "user_min",
-               "user_max", "max_tokens", "concurrency", "replicas", "kv_cache_gib", "load_bound", "sample_s",
-               "max_model_len")} | {"total_requests": total_requests},
-           "runs": rows, "notes": args.note, "run_dir": str(run_dir), "total_s": total}
+    rep = {
+        "date": _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        "command": command,
+        "machine": machine_info(args),
+        "versions": package_versions(("tokenfleet", "torch", "httpx", "uvicorn", "fastapi")),
+        "checkpoint": {"dir": str(model_dir), "source": source, "info": info},
+        "workload": {
+            k: getattr(args, k)
+            for k in (
+                "seed",
+                "conversations",
+                "system_prompts",
+                "system_tokens",
+                "turns_min",
+                "turns_max",
+                "user_min",
+                "user_max",
+                "max_tokens",
+                "concurrency",
+                "replicas",
+                "kv_cache_gib",
+                "load_bound",
+                "sample_s",
+                "max_model_len",
+            )
+        }
+        | {"total_requests": total_requests},
+        "runs": rows,
+        "notes": args.note,
+        "run_dir": str(run_dir),
+        "total_s": total,
+    }
     add_losses(rep)
     write_report((REPO / args.out) if not os.path.isabs(args.out) else Path(args.out), rep)
 

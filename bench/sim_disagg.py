@@ -1,6 +1,7 @@
 """Chunked prefill on every replica against separate prefill and decode pools (tokenfleet/sim/disagg.py), at equal
 GPU count: goodput (requests/s per GPU completed within both a TTFT and a time-per-output-token target) under
 several SLOs, for a multi-turn chat workload and a long-document one. Part of bench/sim_experiments.py."""
+
 from __future__ import annotations
 
 import copy
@@ -52,14 +53,21 @@ def one_run(raw: dict, layout: str, spec: dict, slos: list[dict]) -> dict:
     gpus = sum(1 for _ in fleet.replicas) * fleet.setup.gpus_per_replica
     seconds = fleet.setup.duration_s - fleet.setup.warmup_s
     itl = [t["itl_ms"]["p99"] for t in report["tiers"].values() if t["itl_ms"]["p99"] is not None]
-    row = {"layout": layout, "gpus": gpus, "completed": len(log.done),
-           "ttft_p50_s": percentile([d[0] for d in log.done], 50),
-           "ttft_p99_s": percentile([d[0] for d in log.done], 99),
-           "tpot_p50_ms": _ms(percentile([d[1] for d in log.done], 50)),
-           "tpot_p99_ms": _ms(percentile([d[1] for d in log.done], 99)), "itl_p99_ms": max(itl, default=None),
-           "prefix_hit_rate": report["totals"]["prefix_hit_rate"], "unfinished": fleet.in_flight,
-           "transfer_ms_mean": _transfer_ms(fleet), "recomputed": getattr(fleet, "recomputed", None),
-           "cpu_s": round(time.process_time() - started, 1)}
+    row = {
+        "layout": layout,
+        "gpus": gpus,
+        "completed": len(log.done),
+        "ttft_p50_s": percentile([d[0] for d in log.done], 50),
+        "ttft_p99_s": percentile([d[0] for d in log.done], 99),
+        "tpot_p50_ms": _ms(percentile([d[1] for d in log.done], 50)),
+        "tpot_p99_ms": _ms(percentile([d[1] for d in log.done], 99)),
+        "itl_p99_ms": max(itl, default=None),
+        "prefix_hit_rate": report["totals"]["prefix_hit_rate"],
+        "unfinished": fleet.in_flight,
+        "transfer_ms_mean": _transfer_ms(fleet),
+        "recomputed": getattr(fleet, "recomputed", None),
+        "cpu_s": round(time.process_time() - started, 1),
+    }
     for slo in slos:
         good = sum(1 for ttft, tpot in log.done if ttft <= slo["ttft_s"] and tpot <= slo["tpot_s"])
         row[f"goodput_{slo['name']}"] = round(good / seconds / gpus, 4)
@@ -87,8 +95,7 @@ def experiment(base: dict, args) -> dict:
             raw = copy.deepcopy(base)
             raw["workload"] = {**raw.get("workload", {}), **work.get("workload", {}), "rate": load * gpus}
             for layout in spec["layouts"]:
-                rows.append({"workload": name, "per_gpu_rps": load,
-                             **one_run(raw, layout, spec, slos_of(spec, name))})
+                rows.append({"workload": name, "per_gpu_rps": load, **one_run(raw, layout, spec, slos_of(spec, name))})
                 print(rows[-1], file=sys.stderr)
     return {"rows": rows, "spec": spec}
 
@@ -106,19 +113,34 @@ def render(result: dict, args, head: list[str]) -> str:
     lines = list(head) + [
         f"KV transfer: {spec['transfer_latency_s'] * 1000:g} ms + prompt tokens x KV bytes per token / "
         f"({spec['link_gb_per_s']:g} GB/s x {spec['link_efficiency']:g}) into each decode replica, one at a time; "
-        f"prefill pool token budget {spec.get('prefill_batched_tokens')} per step.", ""]
+        f"prefill pool token budget {spec.get('prefill_batched_tokens')} per step.",
+        "",
+    ]
     for workload in dict.fromkeys(r["workload"] for r in result["rows"]):
         slos = slos_of(spec, workload)
-        lines += [f"## {workload}", "", "SLOs: " + "; ".join(
-            f"**{s['name']}** TTFT <= {s['ttft_s']:g} s and time per output token <= {s['tpot_s'] * 1000:g} ms"
-            for s in slos) + ".", "", "| req/s per GPU | layout | " + " | ".join(
-            f"goodput {s['name']} (req/s/GPU)" for s in slos) + " | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | "
-            "ITL p99 (ms) | prefix hits | KV transfer (ms) |", "|---:|---|" + "---:|" * (len(slos) + 5)]
+        lines += [
+            f"## {workload}",
+            "",
+            "SLOs: "
+            + "; ".join(
+                f"**{s['name']}** TTFT <= {s['ttft_s']:g} s and time per output token <= {s['tpot_s'] * 1000:g} ms"
+                for s in slos
+            )
+            + ".",
+            "",
+            "| req/s per GPU | layout | "
+            + " | ".join(f"goodput {s['name']} (req/s/GPU)" for s in slos)
+            + " | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | "
+            "ITL p99 (ms) | prefix hits | KV transfer (ms) |",
+            "|---:|---|" + "---:|" * (len(slos) + 5),
+        ]
         for r in (r for r in result["rows"] if r["workload"] == workload):
             goods = " | ".join(_goodput(r, s["name"]) for s in slos)
-            lines.append(f"| {r['per_gpu_rps']:g} | {r['layout']} | {goods} | {r['ttft_p50_s']:.2f} / "
-                         f"{r['ttft_p99_s']:.2f} | {r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | "
-                         f"{r['itl_p99_ms']:.0f} | {r['prefix_hit_rate']:.0%} | "
-                         f"{'-' if r['transfer_ms_mean'] is None else r['transfer_ms_mean']} |")
+            lines.append(
+                f"| {r['per_gpu_rps']:g} | {r['layout']} | {goods} | {r['ttft_p50_s']:.2f} / "
+                f"{r['ttft_p99_s']:.2f} | {r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | "
+                f"{r['itl_p99_ms']:.0f} | {r['prefix_hit_rate']:.0%} | "
+                f"{'-' if r['transfer_ms_mean'] is None else r['transfer_ms_mean']} |"
+            )
         lines.append("")
     return "\n".join(lines) + "\n"

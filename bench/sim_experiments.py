@@ -21,6 +21,7 @@ plots: redraws the PNGs from the JSON results in docs/benchmarks/ without runnin
 Every experiment writes docs/benchmarks/sim_EXPERIMENT.{md,json,png}. capacity and routing run their simulations
 --jobs at a time (default: one per core), each in its own process; each is seeded, so the numbers are the same.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,10 @@ def run(raw: dict) -> dict:
     fleet = Fleet(config.parse(raw)).run()
     report = build_report(fleet, time.process_time() - started)
     tiers = [report["tiers"][t] for t in INTERACTIVE if t in report["tiers"]]
-    report["worst"] = {"ttft_p99_ms": max(t["ttft_ms"]["p99"] for t in tiers),
-                       "itl_p99_ms": max(t["itl_ms"]["p99"] for t in tiers)}
+    report["worst"] = {
+        "ttft_p99_ms": max(t["ttft_ms"]["p99"] for t in tiers),
+        "itl_p99_ms": max(t["itl_ms"]["p99"] for t in tiers),
+    }
     return report
 
 
@@ -72,10 +75,17 @@ def capacity(base: dict, args) -> dict:
         raws.append(raw)
     for per_node, raw, r in zip(rates, raws, run_all(raws, args.jobs)):
         ok = r["worst"]["ttft_p99_ms"] <= args.ttft_p99 * 1000 and r["worst"]["itl_p99_ms"] <= args.itl_p99 * 1000
-        rows.append({"per_node_rps": per_node, "meets_slo": ok, **r["worst"],
-                     "output_tok_s_per_node": r["totals"]["output_tokens_per_s"] / raw["fleet"]["replicas"],
-                     "busy": r["totals"]["replica_busy_share"], "preemptions": r["totals"]["preemptions"],
-                     "prefix_hit_rate": r["totals"]["prefix_hit_rate"]})
+        rows.append(
+            {
+                "per_node_rps": per_node,
+                "meets_slo": ok,
+                **r["worst"],
+                "output_tok_s_per_node": r["totals"]["output_tokens_per_s"] / raw["fleet"]["replicas"],
+                "busy": r["totals"]["replica_busy_share"],
+                "preemptions": r["totals"]["preemptions"],
+                "prefix_hit_rate": r["totals"]["prefix_hit_rate"],
+            }
+        )
         print(rows[-1], file=sys.stderr)
     best = max((row for row in rows if row["meets_slo"]), key=lambda row: row["per_node_rps"], default=None)
     nodes = math.ceil(PEAK_RPS / best["per_node_rps"]) if best else None
@@ -89,48 +99,75 @@ def routing(base: dict, args) -> dict:
         raw["workload"]["rate"] = args.rate * raw["fleet"]["replicas"]
         raw["routing"] = {"policy": policy}
         raws.append(raw)
-    for policy, raw, r in zip(policies, raws, run_all(raws, args.jobs)):
+    for policy, r in zip(policies, run_all(raws, args.jobs)):
         paid = r["tiers"]["paid"]
-        rows.append({"policy": policy, "prefix_hit_rate": r["totals"]["prefix_hit_rate"],
-                     "ttft_p50_ms": paid["ttft_ms"]["p50"], "ttft_p99_ms": r["worst"]["ttft_p99_ms"],
-                     "itl_p99_ms": r["worst"]["itl_p99_ms"], "output_tok_s": r["totals"]["output_tokens_per_s"],
-                     "busy": r["totals"]["replica_busy_share"], "preemptions": r["totals"]["preemptions"]})
+        rows.append(
+            {
+                "policy": policy,
+                "prefix_hit_rate": r["totals"]["prefix_hit_rate"],
+                "ttft_p50_ms": paid["ttft_ms"]["p50"],
+                "ttft_p99_ms": r["worst"]["ttft_p99_ms"],
+                "itl_p99_ms": r["worst"]["itl_p99_ms"],
+                "output_tok_s": r["totals"]["output_tokens_per_s"],
+                "busy": r["totals"]["replica_busy_share"],
+                "preemptions": r["totals"]["preemptions"],
+            }
+        )
         print(rows[-1], file=sys.stderr)
     return {"rows": rows}
 
 
 def render_capacity(result: dict, args, head: list[str]) -> str:
-    lines = head + [f"SLO for every interactive tier: TTFT p99 <= {args.ttft_p99:g} s, inter-token latency p99 <= "
-                    f"{args.itl_p99:g} s.", "",
-                    "| req/s per node | meets SLO | worst TTFT p99 (ms) | worst ITL p99 (ms) | output tok/s per node | "
-                    "busy | preemptions | prefix hit rate |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = head + [
+        f"SLO for every interactive tier: TTFT p99 <= {args.ttft_p99:g} s, inter-token latency p99 <= "
+        f"{args.itl_p99:g} s.",
+        "",
+        "| req/s per node | meets SLO | worst TTFT p99 (ms) | worst ITL p99 (ms) | output tok/s per node | "
+        "busy | preemptions | prefix hit rate |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in result["rows"]:
-        lines.append(f"| {r['per_node_rps']:g} | {'yes' if r['meets_slo'] else 'no'} | {r['ttft_p99_ms']:.0f} | "
-                     f"{r['itl_p99_ms']:.1f} | {r['output_tok_s_per_node']:.0f} | {r['busy']:.0%} | "
-                     f"{r['preemptions']} | {r['prefix_hit_rate']:.1%} |")
+        lines.append(
+            f"| {r['per_node_rps']:g} | {'yes' if r['meets_slo'] else 'no'} | {r['ttft_p99_ms']:.0f} | "
+            f"{r['itl_p99_ms']:.1f} | {r['output_tok_s_per_node']:.0f} | {r['busy']:.0%} | "
+            f"{r['preemptions']} | {r['prefix_hit_rate']:.1%} |"
+        )
     best = result["best"]
     if best:
-        lines += ["", f"One node sustains **{best['per_node_rps']:g} req/s** ({best['output_tok_s_per_node']:.0f} "
-                  f"output tokens/s) within the SLO, so the design's peak of {PEAK_RPS:,} req/s needs "
-                  f"**{result['nodes_for_peak']} nodes ({result['gpus_for_peak']:,} GPUs)**, against the design's "
-                  "estimate of about 190 nodes (from an assumed 15,000 output tokens/s per node)."]
+        lines += [
+            "",
+            f"One node sustains **{best['per_node_rps']:g} req/s** ({best['output_tok_s_per_node']:.0f} "
+            f"output tokens/s) within the SLO, so the design's peak of {PEAK_RPS:,} req/s needs "
+            f"**{result['nodes_for_peak']} nodes ({result['gpus_for_peak']:,} GPUs)**, against the design's "
+            "estimate of about 190 nodes (from an assumed 15,000 output tokens/s per node).",
+        ]
     return "\n".join(lines) + "\n"
 
 
 def render_routing(result: dict, args, head: list[str]) -> str:
-    lines = head + [f"{args.rate:g} req/s per node.", "",
-                    "| policy | prefix hit rate | paid TTFT p50 (ms) | worst TTFT p99 (ms) | worst ITL p99 (ms) | "
-                    "output tok/s | busy | preemptions |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = head + [
+        f"{args.rate:g} req/s per node.",
+        "",
+        "| policy | prefix hit rate | paid TTFT p50 (ms) | worst TTFT p99 (ms) | worst ITL p99 (ms) | "
+        "output tok/s | busy | preemptions |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in result["rows"]:
-        lines.append(f"| {r['policy']} | {r['prefix_hit_rate']:.1%} | {r['ttft_p50_ms']:.0f} | "
-                     f"{r['ttft_p99_ms']:.0f} | {r['itl_p99_ms']:.1f} | {r['output_tok_s']:.0f} | {r['busy']:.0%} | "
-                     f"{r['preemptions']} |")
+        lines.append(
+            f"| {r['policy']} | {r['prefix_hit_rate']:.1%} | {r['ttft_p50_ms']:.0f} | "
+            f"{r['ttft_p99_ms']:.0f} | {r['itl_p99_ms']:.1f} | {r['output_tok_s']:.0f} | {r['busy']:.0%} | "
+            f"{r['preemptions']} |"
+        )
     return "\n".join(lines) + "\n"
 
 
-CONFIGS = {"capacity": "bench/sim/capacity.yaml", "routing": "bench/sim/capacity.yaml",
-           "overload": "bench/sim/overload.yaml", "autoscale": "bench/sim/autoscale.yaml",
-           "disagg": "bench/sim/disagg.yaml"}
+CONFIGS = {
+    "capacity": "bench/sim/capacity.yaml",
+    "routing": "bench/sim/capacity.yaml",
+    "overload": "bench/sim/overload.yaml",
+    "autoscale": "bench/sim/autoscale.yaml",
+    "disagg": "bench/sim/disagg.yaml",
+}
 
 
 def experiments() -> dict:
@@ -138,14 +175,20 @@ def experiments() -> dict:
     import sim_disagg
     import sim_dynamic
     import sim_plots
+
     return {
-        "capacity": (capacity, render_capacity,
-                     lambda r, a, p: sim_plots.capacity(r, p, a.ttft_p99, a.itl_p99)),
+        "capacity": (capacity, render_capacity, lambda r, a, p: sim_plots.capacity(r, p, a.ttft_p99, a.itl_p99)),
         "routing": (routing, render_routing, lambda r, a, p: sim_plots.routing(r, p)),
-        "overload": (sim_dynamic.overload, sim_dynamic.render_overload, lambda r, a, p: sim_plots.overload(
-            r["runs"], p)),
-        "autoscale": (sim_dynamic.autoscale, sim_dynamic.render_autoscale, lambda r, a, p: sim_plots.autoscale(
-            r["runs"], p)),
+        "overload": (
+            sim_dynamic.overload,
+            sim_dynamic.render_overload,
+            lambda r, a, p: sim_plots.overload(r["runs"], p),
+        ),
+        "autoscale": (
+            sim_dynamic.autoscale,
+            sim_dynamic.render_autoscale,
+            lambda r, a, p: sim_plots.autoscale(r["runs"], p),
+        ),
         "disagg": (sim_disagg.experiment, sim_disagg.render, lambda r, a, p: sim_plots.disagg(r, p)),
     }
 
@@ -171,8 +214,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sample-s", type=float, default=5.0, help="overload: gauge samples (s)")
     p.add_argument("--loads", default=None, help="disagg: offered req/s per GPU, comma-separated")
     p.add_argument("--out", default=None, help="default: docs/benchmarks/sim_EXPERIMENT.md ('' prints only)")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
-                   help="capacity, routing: simulations run at once, each in its own process")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="capacity, routing: simulations run at once, each in its own process",
+    )
     args = p.parse_args()
     if args.bin_s is None:
         args.bin_s = 60.0 if args.experiment == "autoscale" else 10.0
@@ -190,10 +237,14 @@ def main() -> int:
     run, render, plot = table[args.experiment]
     result = run(base, args)
     out = f"docs/benchmarks/sim_{args.experiment}.md" if args.out is None else args.out
-    head = [f"# Simulator experiment: {args.experiment}", "",
-            f"`python {' '.join(sys.argv)}` ({time.strftime('%Y-%m-%d')}), base config `{args.config}`: "
-            f"{base['fleet']}, {base['duration_s']} s of arrivals after a {base.get('warmup_s', 0)} s warm-up, seed "
-            f"{base['seed']}.", ""]
+    head = [
+        f"# Simulator experiment: {args.experiment}",
+        "",
+        f"`python {' '.join(sys.argv)}` ({time.strftime('%Y-%m-%d')}), base config `{args.config}`: "
+        f"{base['fleet']}, {base['duration_s']} s of arrivals after a {base.get('warmup_s', 0)} s warm-up, seed "
+        f"{base['seed']}.",
+        "",
+    ]
     if out:
         png = (ROOT / out).with_suffix(".png")
         plot(result, args, png)

@@ -1,5 +1,6 @@
 """Plots of the simulator experiments (bench/sim_experiments.py), as PNGs next to their reports in
 docs/benchmarks/. matplotlib with the Agg backend (no display); `pip install -e ".[bench]"` brings it."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -42,8 +43,11 @@ def routing(result: dict, path: Path) -> Path:
     rows = result["rows"]
     names = [r["policy"] for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
-    for ax, key, title in zip(axes, ("prefix_hit_rate", "ttft_p50_ms", "itl_p99_ms"),
-                              ("prefix hit rate", "paid TTFT p50 (ms)", "worst ITL p99 (ms)")):
+    for ax, key, title in zip(
+        axes,
+        ("prefix_hit_rate", "ttft_p50_ms", "itl_p99_ms"),
+        ("prefix hit rate", "paid TTFT p50 (ms)", "worst ITL p99 (ms)"),
+    ):
         ax.bar(names, [r[key] for r in rows], color=["tab:gray", "tab:olive", "tab:green"])
         ax.set_title(title)
         ax.tick_params(axis="x", labelrotation=15)
@@ -70,8 +74,9 @@ def overload(runs: dict[str, dict], path: Path) -> Path:
     a.plot([row["t"] for row in bins], arrivals, color="black", label="arrivals (req/s)")
     a.set_ylabel("requests/s")
     a2 = a.twinx()
-    a2.step([s["t"] for s in samples], [s["level"] for s in samples], where="post", color="tab:red",
-            label="ladder level")
+    a2.step(
+        [s["t"] for s in samples], [s["level"] for s in samples], where="post", color="tab:red", label="ladder level"
+    )
     a2.set(ylabel="ladder level", ylim=(-0.2, 4.5))
     a.set_title(f"launch-day spike: arrivals and the overload ladder ({name})")
     a.legend(loc="upper left"), a2.legend(loc="upper right")
@@ -99,22 +104,44 @@ def autoscale(runs: dict[str, dict], path: Path) -> Path:
     fig, (a, b, c) = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
     styles = {"forecast": "tab:green", "reactive": "tab:red", "static": "tab:gray"}
     first = next(iter(runs.values()))
-    a.plot([r["t"] for r in first["records"]], [r["arrival_rate"] for r in first["records"]], color="black",
-           label="interactive arrivals (req/s, measured)")
+    a.plot(
+        [r["t"] for r in first["records"]],
+        [r["arrival_rate"] for r in first["records"]],
+        color="black",
+        label="interactive arrivals (req/s, measured)",
+    )
     if any(r["forecast_rps"] is not None for r in first["records"]):
-        a.plot([r["t"] for r in first["records"]], [r["forecast_rps"] for r in first["records"]], color="tab:blue",
-               ls="--", label="forecast peak a cold start ahead")
+        a.plot(
+            [r["t"] for r in first["records"]],
+            [r["forecast_rps"] for r in first["records"]],
+            color="tab:blue",
+            ls="--",
+            label="forecast peak a cold start ahead",
+        )
     a.set(ylabel="requests/s", title="load over the (compressed) day")
     a.legend(fontsize=8)
     for mode, run in runs.items():
         recs = run["records"]
-        b.step([r["t"] for r in recs], [r["ready"] for r in recs], where="post", color=styles.get(mode),
-               label=f"{mode}: serving")
-        b.step([r["t"] for r in recs], [r["ready"] + r["starting"] for r in recs], where="post",
-               color=styles.get(mode), ls=":", label=f"{mode}: + starting")
+        b.step(
+            [r["t"] for r in recs],
+            [r["ready"] for r in recs],
+            where="post",
+            color=styles.get(mode),
+            label=f"{mode}: serving",
+        )
+        b.step(
+            [r["t"] for r in recs],
+            [r["ready"] + r["starting"] for r in recs],
+            where="post",
+            color=styles.get(mode),
+            ls=":",
+            label=f"{mode}: + starting",
+        )
         xs = [row["t"] for row in run["bins"]]
-        missed = [sum(row["tiers"].get(t, {}).get("missed", 0) + row["tiers"].get(t, {}).get("shed", 0)
-                      for t in INTERACTIVE) for row in run["bins"]]
+        missed = [
+            sum(row["tiers"].get(t, {}).get("missed", 0) + row["tiers"].get(t, {}).get("shed", 0) for t in INTERACTIVE)
+            for row in run["bins"]
+        ]
         c.plot(xs, missed, color=styles.get(mode), label=mode)
     b.set(ylabel="replicas (1 GPU each)", title="replicas")
     b.legend(fontsize=8, ncol=3)
@@ -134,11 +161,14 @@ def disagg(result: dict, path: Path) -> Path:
             ax = axes[i][j]
             for layout in dict.fromkeys(r["layout"] for r in rows):
                 mine = [r for r in rows if r["workload"] == workload and r["layout"] == layout]
-                ax.plot([r["per_gpu_rps"] for r in mine], [r[f"goodput_{slo['name']}"] for r in mine], "o-",
-                        label=layout)
-            ax.set(xlabel="offered requests/s per GPU", ylabel="goodput (req/s per GPU)",
-                   title=f"{workload}: {slo['name']} (TTFT <= {slo['ttft_s']:g} s, TPOT <= "
-                         f"{slo['tpot_s'] * 1000:g} ms)")
+                ax.plot(
+                    [r["per_gpu_rps"] for r in mine], [r[f"goodput_{slo['name']}"] for r in mine], "o-", label=layout
+                )
+            ax.set(
+                xlabel="offered requests/s per GPU",
+                ylabel="goodput (req/s per GPU)",
+                title=f"{workload}: {slo['name']} (TTFT <= {slo['ttft_s']:g} s, TPOT <= {slo['tpot_s'] * 1000:g} ms)",
+            )
             ax.title.set_fontsize(9)
             ax.legend(fontsize=7)
     return _save(fig, path)

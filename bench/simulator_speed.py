@@ -14,6 +14,7 @@ Every run is made in a fresh process, as `tokenfleet simulate` makes one simulat
 running the code at REV (a temporary `git worktree`) and this checkout's code alternately, each run in a fresh
 process, on the same configs: CPU time of each pair, their ratio, and whether the two reports are byte-identical.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,11 @@ def measure_repeated(path: str, seed: int, repeats: int) -> dict:
     """The run `repeats` times: the median run's row, with every run's wall time (this machine's speed varies
     by +-15% from one run to the next even when it is otherwise idle)."""
     runs = sorted((measure(path, seed) for _ in range(repeats)), key=lambda r: r["wall_s"])
-    return {**runs[len(runs) // 2], "wall_s_runs": [r["wall_s"] for r in runs],
-            "per_wall_minute_runs": [r["per_wall_minute"] for r in runs]}
+    return {
+        **runs[len(runs) // 2],
+        "wall_s_runs": [r["wall_s"] for r in runs],
+        "per_wall_minute_runs": [r["per_wall_minute"] for r in runs],
+    }
 
 
 def measure(path: str, seed: int) -> dict:
@@ -70,10 +74,19 @@ def measure(path: str, seed: int) -> dict:
     run = one_run(ROOT, path, seed)
     others = probe.stop(time.perf_counter() - began) if probe else None
     wall, cpu = run["wall_s"], run["cpu_s"]
-    return {"config": path, "setup": run["setup"], "requests": run["requests"], "wall_s": round(wall, 2),
-            "cpu_s": round(cpu, 2), "per_wall_minute": round(run["requests"] / wall * 60),
-            "per_cpu_minute": round(run["requests"] / cpu * 60), "steps": run["steps"],
-            "full_steps": run["full_steps"], "simulated_s": round(run["simulated_s"], 1), "other_cpu_share": others}
+    return {
+        "config": path,
+        "setup": run["setup"],
+        "requests": run["requests"],
+        "wall_s": round(wall, 2),
+        "cpu_s": round(cpu, 2),
+        "per_wall_minute": round(run["requests"] / wall * 60),
+        "per_cpu_minute": round(run["requests"] / cpu * 60),
+        "steps": run["steps"],
+        "full_steps": run["full_steps"],
+        "simulated_s": round(run["simulated_s"], 1),
+        "other_cpu_share": others,
+    }
 
 
 # One run with the code of the checkout it runs in: its times, what it simulated, and the digest of its report
@@ -97,16 +110,26 @@ print(json.dumps({"wall_s": wall, "cpu_s": cpu, "requests": fleet.requests_seen,
 
 def one_run(checkout: Path, path: str, seed: int) -> dict:
     config_path = Path(path) if Path(path).is_absolute() else ROOT / path  # this checkout's config, for both
-    out = subprocess.run([sys.executable, "-c", _ONE_RUN, str(config_path), str(seed)], cwd=checkout,
-                         env={**os.environ, "PYTHONPATH": str(checkout)}, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _ONE_RUN, str(config_path), str(seed)],
+        cwd=checkout,
+        env={**os.environ, "PYTHONPATH": str(checkout)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def compare(rev: str, paths: list[str], seed: int, pairs: int) -> str:
     """The code at `rev` against this checkout, alternately, `pairs` runs each per config (a markdown table)."""
-    lines = [f"`python {' '.join(sys.argv)}` ({time.strftime('%Y-%m-%d %H:%M')}): CPU seconds per run, {rev} "
-             "and this checkout alternately", "", "| config | old s | new s | new / old | median | same report |",
-             "|---|---|---|---|---:|---|"]
+    lines = [
+        f"`python {' '.join(sys.argv)}` ({time.strftime('%Y-%m-%d %H:%M')}): CPU seconds per run, {rev} "
+        "and this checkout alternately",
+        "",
+        "| config | old s | new s | new / old | median | same report |",
+        "|---|---|---|---|---:|---|",
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         old_tree = Path(tmp) / "old"
         subprocess.run(["git", "worktree", "add", "--detach", "-q", str(old_tree), rev], cwd=ROOT, check=True)
@@ -116,10 +139,12 @@ def compare(rev: str, paths: list[str], seed: int, pairs: int) -> str:
                 old_s, new_s = [old["cpu_s"] for old, _ in runs], [new["cpu_s"] for _, new in runs]
                 ratios = [new / old for old, new in zip(old_s, new_s)]
                 same = all(old["digest"] == new["digest"] for old, new in runs)
-                lines.append(f"| `{path}` | {', '.join(f'{s:.2f}' for s in old_s)} | "
-                             f"{', '.join(f'{s:.2f}' for s in new_s)} | "
-                             f"{', '.join(f'{r:.3f}' for r in ratios)} | "
-                             f"{statistics.median(ratios):.3f} | {'yes' if same else 'NO'} |")
+                lines.append(
+                    f"| `{path}` | {', '.join(f'{s:.2f}' for s in old_s)} | "
+                    f"{', '.join(f'{s:.2f}' for s in new_s)} | "
+                    f"{', '.join(f'{r:.3f}' for r in ratios)} | "
+                    f"{statistics.median(ratios):.3f} | {'yes' if same else 'NO'} |"
+                )
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(old_tree)], cwd=ROOT, check=True)
     return "\n".join(lines)
@@ -127,19 +152,30 @@ def compare(rev: str, paths: list[str], seed: int, pairs: int) -> str:
 
 def render(result: dict) -> str:
     reference = result.get("reference_loop_s")
-    machine = result["machine"] + ("" if reference is None else f"; reference loop {reference} s, the median of "
-                                   f"{result['reference_loop_runs']} (bench/simulator_speed.py reference_loop_s)")
-    lines = ["# Simulator speed", "", f"`{result['command']}` ({result['date']}; {machine})", "",
-             "| config | fleet | requests | simulated s | wall s | CPU s | requests / wall min | requests / CPU min "
-             "| steps (full) | other CPU | runs: requests / wall min |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    machine = result["machine"] + (
+        ""
+        if reference is None
+        else f"; reference loop {reference} s, the median of "
+        f"{result['reference_loop_runs']} (bench/simulator_speed.py reference_loop_s)"
+    )
+    lines = [
+        "# Simulator speed",
+        "",
+        f"`{result['command']}` ({result['date']}; {machine})",
+        "",
+        "| config | fleet | requests | simulated s | wall s | CPU s | requests / wall min | requests / CPU min "
+        "| steps (full) | other CPU | runs: requests / wall min |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in result["runs"]:
         s = r["setup"]
         fleet = f"{s['replicas']} x {s['model']} {s['weight_dtype']} TP{s['tensor_parallel']} {s['gpu']}"
         other = "-" if r["other_cpu_share"] is None else f"{r['other_cpu_share']:.0%}"
-        lines.append(f"| `{r['config']}` | {fleet} | {r['requests']} | {r['simulated_s']} | {r['wall_s']} | "
-                     f"{r['cpu_s']} | {r['per_wall_minute']:,} | {r['per_cpu_minute']:,} | {r['steps']:,} "
-                     f"({r['full_steps']:,}) | {other} | {', '.join(f'{x:,}' for x in r.get('per_wall_minute_runs', []))} |")
+        lines.append(
+            f"| `{r['config']}` | {fleet} | {r['requests']} | {r['simulated_s']} | {r['wall_s']} | "
+            f"{r['cpu_s']} | {r['per_wall_minute']:,} | {r['per_cpu_minute']:,} | {r['steps']:,} "
+            f"({r['full_steps']:,}) | {other} | {', '.join(f'{x:,}' for x in r.get('per_wall_minute_runs', []))} |"
+        )
     return "\n".join(lines + [""] + result.get("notes", []))
 
 
@@ -158,11 +194,14 @@ def main() -> int:
     before = reference_loop_s()
     runs = [measure_repeated(path, args.seed, args.repeats) for path in args.configs.split(",")]
     after = reference_loop_s()
-    result = {"command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "reference_loop_s": round((before + after) / 2, 3),
-              "reference_loop_runs": f"{REFERENCE_REPEATS} before ({before} s) and {REFERENCE_REPEATS} after "
-                                     f"({after} s)", "runs": runs}
+    result = {
+        "command": "python " + " ".join(sys.argv),
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "reference_loop_s": round((before + after) / 2, 3),
+        "reference_loop_runs": f"{REFERENCE_REPEATS} before ({before} s) and {REFERENCE_REPEATS} after ({after} s)",
+        "runs": runs,
+    }
     print(render(result))
     if args.out:
         out = Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out

@@ -1,13 +1,23 @@
 """Small random-weight Hugging Face checkpoints of each supported architecture, made with transformers."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 
-COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.5, bos_token_id=1,
-              eos_token_id=2)
+COMMON = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    initializer_range=0.5,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 # KV cache and swap space of an engine in a test: 10 MiB each (~1,300 16-token blocks of these models), enough for
 # every test's requests, instead of the defaults' 2 GiB + 1 GiB, which each engine fills with zeros up front.
@@ -15,19 +25,34 @@ SMALL_KV = dict(kv_cache_gib=0.01, swap_space_gib=0.01)
 
 ARCHITECTURES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
-    "llama3-scaled": ("LlamaConfig", "LlamaForCausalLM", dict(
-        tie_word_embeddings=True, rope_theta=500000.0,
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=64))),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=None,
-                                                             head_dim=16)),
+    "llama3-scaled": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(tie_word_embeddings=False, sliding_window=None, head_dim=16),
+    ),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=32)),
 }
 
 
-def make_checkpoint(path: Path, arch: str = "llama", dtype: torch.dtype = torch.float32, seed: int = 0,
-                    **overrides) -> Path:
+def make_checkpoint(
+    path: Path, arch: str = "llama", dtype: torch.dtype = torch.float32, seed: int = 0, **overrides
+) -> Path:
     import transformers
 
     config_name, model_name, extra = ARCHITECTURES[arch]
@@ -54,6 +79,7 @@ def load_reference(path: Path, dtype: torch.dtype = torch.float32):
 def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()

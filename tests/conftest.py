@@ -1,13 +1,19 @@
 """Shared fixtures: a tiny demo checkpoint (byte-level BPE tokenizer + random Llama weights), written once, and the
 SQL databases (SQLite and PostgreSQL) the store and metering suites run on."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from tests.store.backends import (POSTGRES_ADMIN_URL, create_postgres_database, database_url,
-                                  drop_postgres_database, reset_postgres_database)
+from tests.store.backends import (
+    POSTGRES_ADMIN_URL,
+    create_postgres_database,
+    database_url,
+    drop_postgres_database,
+    reset_postgres_database,
+)
 from tokenfleet.model.demo import write_demo_checkpoint
 from tokenfleet.store.db import Database
 
@@ -32,8 +38,7 @@ def postgres_url():
     try:
         name = create_postgres_database()
     except OSError as e:
-        pytest.fail(f"no PostgreSQL at {POSTGRES_ADMIN_URL} ({e}); .ci/run starts it, or set "
-                    "TOKENFLEET_TEST_POSTGRES")
+        pytest.fail(f"no PostgreSQL at {POSTGRES_ADMIN_URL} ({e}); .ci/run starts it, or set TOKENFLEET_TEST_POSTGRES")
     yield database_url(name)
     drop_postgres_database(name)
 

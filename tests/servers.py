@@ -1,4 +1,5 @@
 """Start real server processes for tests, and wait for them to be healthy."""
+
 from __future__ import annotations
 
 import ctypes
@@ -31,8 +32,13 @@ def _die_with_parent() -> None:
 def running_process(args: list[str], health_url: str, log_path: Path, timeout: float = 120.0):
     """Runs `python -m tokenfleet ARGS` until the block ends; fails fast with the log if it dies or never answers."""
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tokenfleet", *args], stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tokenfleet", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=_die_with_parent,
+        )
     try:
         wait_healthy(proc, health_url, log_path, timeout)
         yield proc
@@ -81,9 +87,14 @@ def metric(base: str, name: str, **labels: str) -> float:
 
 def abandon_stream(client, model: str, max_tokens: int, after_chunks: int = 3) -> None:
     """Starts a long streamed chat completion with the openai SDK, reads a few chunks, then hangs up."""
-    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Go"}],
-                                            max_tokens=max_tokens, temperature=0, stream=True,
-                                            extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Go"}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     for i, _ in enumerate(stream):
         if i + 1 == after_chunks:
             break

@@ -1,5 +1,6 @@
 """The layer order of docs/architecture.md, enforced: a package imports only packages in layers below its own (lazy
 imports inside functions included), and importing the engine loads nothing of the fleet or the HTTP stack."""
+
 from __future__ import annotations
 
 import ast
@@ -28,8 +29,22 @@ LAYERS: list[set[str]] = [
 ]
 LAYER_OF = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 
-ENGINE_MAY_NOT_LOAD = ("gateway", "router", "quota", "dispatch", "store", "metering", "autoscale", "sim", "api",
-                       "replica", "conversations", "billing", "commands", "config")
+ENGINE_MAY_NOT_LOAD = (
+    "gateway",
+    "router",
+    "quota",
+    "dispatch",
+    "store",
+    "metering",
+    "autoscale",
+    "sim",
+    "api",
+    "replica",
+    "conversations",
+    "billing",
+    "commands",
+    "config",
+)
 THIRD_PARTY_NOT_IN_ENGINE = ("fastapi", "starlette", "uvicorn", "httpx", "redis", "sqlalchemy", "prometheus_client")
 
 
@@ -65,8 +80,10 @@ def test_packages_import_only_layers_below_their_own():
         own = _component(path)
         for used in _imported_components(path) - {own}:
             if LAYER_OF[used] >= LAYER_OF[own]:
-                wrong.append(f"{path.relative_to(ROOT.parent)} ({own}, layer {LAYER_OF[own]}) imports {used} "
-                             f"(layer {LAYER_OF[used]})")
+                wrong.append(
+                    f"{path.relative_to(ROOT.parent)} ({own}, layer {LAYER_OF[own]}) imports {used} "
+                    f"(layer {LAYER_OF[used]})"
+                )
     assert wrong == []
 
 
@@ -77,8 +94,9 @@ def test_importing_the_engine_loads_nothing_above_it():
         "import tokenfleet.engine.llm, tokenfleet.engine.config\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
-    loaded = json.loads(subprocess.run([sys.executable, "-c", script], check=True, capture_output=True,
-                                       text=True).stdout)
+    loaded = json.loads(
+        subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True).stdout
+    )
     ours = {m.split(".")[1] for m in loaded if m.startswith("tokenfleet.")}
     assert ours & set(ENGINE_MAY_NOT_LOAD) == set()
     assert {m.split(".")[0] for m in loaded} & set(THIRD_PARTY_NOT_IN_ENGINE) == set()

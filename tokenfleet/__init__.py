@@ -1,4 +1,5 @@
 """tokenfleet: a multi-tenant LLM serving platform."""
+
 from __future__ import annotations
 
 __all__ = ["LLM", "SamplingParams"]

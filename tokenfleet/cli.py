@@ -1,5 +1,6 @@
 """The `tokenfleet` command line. Each subcommand is one `add_*` function (arguments) plus one `run_*` function,
 registered in COMMANDS; add new subcommands by appending to that table."""
+
 from __future__ import annotations
 
 import argparse
@@ -55,8 +56,12 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def add_drain_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--drain-timeout", type=float, default=30.0,
-                        help="on SIGTERM: stop accepting, let in-flight streams finish for at most this many seconds")
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM: stop accepting, let in-flight streams finish for at most this many seconds",
+    )
 
 
 def add_replica(parser: argparse.ArgumentParser) -> None:
@@ -65,21 +70,37 @@ def add_replica(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
-    parser.add_argument("--served-model-name", default=None,
-                        help="model name clients use (default: the checkpoint folder's name)")
+    parser.add_argument(
+        "--served-model-name", default=None, help="model name clients use (default: the checkpoint folder's name)"
+    )
     add_drain_argument(parser)
     fleet = parser.add_argument_group("fleet registry")
-    fleet.add_argument("--register", metavar="REDIS_URL", default=None,
-                       help="join the fleet: announce this replica in Redis once it serves, heartbeat, mark it "
-                            "draining at SIGTERM and withdraw it on exit (default: not registered)")
-    fleet.add_argument("--advertise-url", metavar="URL", default=None,
-                       help="base URL gateways call (default: http://HOST:PORT; a wildcard HOST becomes this "
-                            "machine's hostname, or 127.0.0.1)")
+    fleet.add_argument(
+        "--register",
+        metavar="REDIS_URL",
+        default=None,
+        help="join the fleet: announce this replica in Redis once it serves, heartbeat, mark it "
+        "draining at SIGTERM and withdraw it on exit (default: not registered)",
+    )
+    fleet.add_argument(
+        "--advertise-url",
+        metavar="URL",
+        default=None,
+        help="base URL gateways call (default: http://HOST:PORT; a wildcard HOST becomes this "
+        "machine's hostname, or 127.0.0.1)",
+    )
     fleet.add_argument("--pool", default="default", help="region / pool this replica belongs to (default: default)")
-    fleet.add_argument("--registry-prefix", default="tokenfleet:replicas:",
-                       help="Redis key prefix of the fleet's registry (default: tokenfleet:replicas:)")
-    fleet.add_argument("--registry-ttl", type=float, default=6.0,
-                       help="seconds the record outlives the last heartbeat (heartbeats every ttl/3; default: 6)")
+    fleet.add_argument(
+        "--registry-prefix",
+        default="tokenfleet:replicas:",
+        help="Redis key prefix of the fleet's registry (default: tokenfleet:replicas:)",
+    )
+    fleet.add_argument(
+        "--registry-ttl",
+        type=float,
+        default=6.0,
+        help="seconds the record outlives the last heartbeat (heartbeats every ttl/3; default: 6)",
+    )
 
 
 def run_replica(args: argparse.Namespace) -> int:
@@ -97,19 +118,32 @@ def add_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--ping-interval", type=float, default=None, help="seconds between SSE heartbeats (15)")
-    parser.add_argument("--disconnect-grace", type=float, default=None,
-                        help="seconds a dropped stream keeps generating, waiting for a resume, before it is "
-                             "cancelled (5)")
-    parser.add_argument("--config", default=None,
-                        help="fleet.yaml whose streams, tiers, quota, dispatch and overload sections apply")
-    parser.add_argument("--safety-hook", default=None,
-                        help="package.module:function, an async check called on every request (default: allow all)")
-    parser.add_argument("--auth", action="store_true",
-                        help="require API keys (`tokenfleet keys create`), with their tiers and quotas; without it "
-                             "the server is open to one user with no limits")
-    parser.add_argument("--database-url", default=None,
-                        help="tenants and keys with --auth (default: $TOKENFLEET_DATABASE_URL, else SQLite under "
-                             "~/.local/share/tokenfleet)")
+    parser.add_argument(
+        "--disconnect-grace",
+        type=float,
+        default=None,
+        help="seconds a dropped stream keeps generating, waiting for a resume, before it is cancelled (5)",
+    )
+    parser.add_argument(
+        "--config", default=None, help="fleet.yaml whose streams, tiers, quota, dispatch and overload sections apply"
+    )
+    parser.add_argument(
+        "--safety-hook",
+        default=None,
+        help="package.module:function, an async check called on every request (default: allow all)",
+    )
+    parser.add_argument(
+        "--auth",
+        action="store_true",
+        help="require API keys (`tokenfleet keys create`), with their tiers and quotas; without it "
+        "the server is open to one user with no limits",
+    )
+    parser.add_argument(
+        "--database-url",
+        default=None,
+        help="tenants and keys with --auth (default: $TOKENFLEET_DATABASE_URL, else SQLite under "
+        "~/.local/share/tokenfleet)",
+    )
     add_drain_argument(parser)
 
 
@@ -133,8 +167,9 @@ def run_gateway(args: argparse.Namespace) -> int:
 
 def add_keys(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="keys_action", required=True, metavar="ACTION")
-    create = actions.add_parser("create", help="create an API key (and its organisation and user when new); "
-                                "the key is printed once")
+    create = actions.add_parser(
+        "create", help="create an API key (and its organisation and user when new); the key is printed once"
+    )
     create.add_argument("--org", required=True, help="organisation name or id (created when missing)")
     create.add_argument("--user", required=True, help="user name in the organisation (created when missing)")
     create.add_argument("--tier", default=None, help="tier of a new organisation (default: free)")
@@ -144,9 +179,12 @@ def add_keys(parser: argparse.ArgumentParser) -> None:
     revoke = actions.add_parser("revoke", help="revoke an API key; it stops working at once")
     revoke.add_argument("key_id", help="the key's id (key_...), as shown by `tokenfleet keys list`")
     for action in (create, listing, revoke):
-        action.add_argument("--database-url", default=None,
-                            help="sqlite:///path or postgresql://user@host/db (default: $TOKENFLEET_DATABASE_URL, "
-                                 "else database_url in --config, else ~/.local/share/tokenfleet/tokenfleet.db)")
+        action.add_argument(
+            "--database-url",
+            default=None,
+            help="sqlite:///path or postgresql://user@host/db (default: $TOKENFLEET_DATABASE_URL, "
+            "else database_url in --config, else ~/.local/share/tokenfleet/tokenfleet.db)",
+        )
         action.add_argument("--config", default=None, help="fleet.yaml: its database_url and tiers")
 
 
@@ -181,18 +219,29 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 COMMANDS: list[Command] = [
-    Command("serve", "gateway and one replica in one process (demo checkpoint without --model)", add_serve,
-            run_serve),
+    Command("serve", "gateway and one replica in one process (demo checkpoint without --model)", add_serve, run_serve),
     Command("gateway", "the public API in front of replicas listed in a fleet.yaml", add_gateway, run_gateway),
     Command("replica", "serve one model with the OpenAI-compatible replica server", add_replica, run_replica),
     Command("generate", "generate completions offline for a few prompts", add_generate, run_generate),
-    Command("demo-model", "write a small random-weight Llama checkpoint (no download needed)",
-            add_demo_model, run_demo_model),
+    Command(
+        "demo-model",
+        "write a small random-weight Llama checkpoint (no download needed)",
+        add_demo_model,
+        run_demo_model,
+    ),
     Command("keys", "create, list and revoke API keys (runs database migrations first)", add_keys, run_keys),
-    Command("usage", "tokens and cost by organisation, user, model and day; cost per million output tokens",
-            add_usage, run_usage),
-    Command("simulate", "simulate a fleet (gateway, quotas, router, replicas) in simulated time: docs/simulator.md",
-            add_simulate, run_simulate),
+    Command(
+        "usage",
+        "tokens and cost by organisation, user, model and day; cost per million output tokens",
+        add_usage,
+        run_usage,
+    ),
+    Command(
+        "simulate",
+        "simulate a fleet (gateway, quotas, router, replicas) in simulated time: docs/simulator.md",
+        add_simulate,
+        run_simulate,
+    ),
 ]
 
 

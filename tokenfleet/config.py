@@ -1,6 +1,7 @@
 """The fleet file (fleet.yaml) the gateway reads: model, replicas, streams, tenants' tiers, quotas, dispatch. Each
 section's dataclass lives with the component that reads it; this module composes them. The engine's options are
 the engine's own (tokenfleet.engine.config)."""
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,18 @@ from tokenfleet.router.catalog import ModelSpec, PoolSpec
 from tokenfleet.router.settings import RoutingSettings, routing_from_dict
 from tokenfleet.settings import section
 
-__all__ = ["FleetConfig", "TierConfig", "StreamSettings", "QuotaSettings", "DispatchSettings", "MeteringSettings",
-           "BillingSettings", "RoutingSettings", "default_tiers", "section"]
+__all__ = [
+    "FleetConfig",
+    "TierConfig",
+    "StreamSettings",
+    "QuotaSettings",
+    "DispatchSettings",
+    "MeteringSettings",
+    "BillingSettings",
+    "RoutingSettings",
+    "default_tiers",
+    "section",
+]
 
 
 @dataclass
@@ -64,19 +75,28 @@ class FleetConfig:
         return [ModelSpec(self.model_name, self.model_path, pools=[PoolSpec("default", list(self.replicas))])]
 
     @classmethod
-    def load(cls, path: str | Path) -> "FleetConfig":
+    def load(cls, path: str | Path) -> FleetConfig:
         raw = yaml.safe_load(Path(path).read_text()) or {}
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"{path}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        sections = {name: section(kind, raw.pop(name, None), f"{path}: {name}") for name, kind in (
-            ("streams", StreamSettings), ("quota", QuotaSettings), ("dispatch", DispatchSettings),
-            ("overload", OverloadSettings), ("metering", MeteringSettings), ("billing", BillingSettings),
-            ("autoscale", AutoscaleSettings))}
+        sections = {
+            name: section(kind, raw.pop(name, None), f"{path}: {name}")
+            for name, kind in (
+                ("streams", StreamSettings),
+                ("quota", QuotaSettings),
+                ("dispatch", DispatchSettings),
+                ("overload", OverloadSettings),
+                ("metering", MeteringSettings),
+                ("billing", BillingSettings),
+                ("autoscale", AutoscaleSettings),
+            )
+        }
         tiers = tiers_from_dict(raw.pop("tiers", None))
-        sections["conversations"] = section(ConversationSettings, raw.pop("conversations", None),
-                                            f"{path}: conversations")
+        sections["conversations"] = section(
+            ConversationSettings, raw.pop("conversations", None), f"{path}: conversations"
+        )
         models = [ModelSpec.from_dict(m, f"{path}: models[{i}]") for i, m in enumerate(raw.pop("models", None) or [])]
         routing = routing_from_dict(raw.pop("routing", None), f"{path}: routing")
         config = cls(**raw, **sections, tiers=tiers, models=models, routing=routing)
@@ -86,6 +106,7 @@ class FleetConfig:
         config.resume_secret = os.environ.get("TOKENFLEET_RESUME_SECRET", config.resume_secret)
         for name in (*config.overload.batch_tiers, *config.overload.free_tiers):
             if name not in config.tiers:
-                raise ValueError(f"{path}: overload names tier {name!r}, which is not among the tiers "
-                                 f"({', '.join(config.tiers)})")
+                raise ValueError(
+                    f"{path}: overload names tier {name!r}, which is not among the tiers ({', '.join(config.tiers)})"
+                )
         return config

@@ -1,5 +1,6 @@
 """The servers' log format, in a module of its own so that any process (an engine worker included) can set it up
 without loading the HTTP stack."""
+
 from __future__ import annotations
 
 import logging

@@ -1,4 +1,5 @@
 """Prometheus metric families built from {label values: value} maps, for the collectors of every component."""
+
 from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily

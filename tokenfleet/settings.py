@@ -1,10 +1,18 @@
 """Reading one settings section of a YAML file into its dataclass; every component owns its section's dataclass."""
+
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import fields
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+_Settings = TypeVar("_Settings", bound="DataclassInstance")
 
 
-def section(cls, raw: dict | None, where: str):
+def section(cls: type[_Settings], raw: Mapping[str, Any] | None, where: str) -> _Settings:
     """A settings dataclass from its YAML mapping; unknown keys and bad values are start-up errors naming `where`."""
     raw = dict(raw or {})
     known = {f.name for f in fields(cls)}

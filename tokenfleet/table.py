@@ -1,7 +1,8 @@
 """Plain-text tables for the command line (`tokenfleet keys list`, `tokenfleet usage`)."""
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def print_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> None:

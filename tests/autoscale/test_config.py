@@ -1,5 +1,6 @@
 """The `autoscale:` section of fleet.yaml and the forecasts: good settings load, impossible ones are clear start-up
 errors (also through `tokenfleet gateway`)."""
+
 from __future__ import annotations
 
 import math
@@ -13,10 +14,23 @@ from tokenfleet.cli import main
 from tokenfleet.config import FleetConfig
 
 GOOD = {
-    "enabled": True, "orchestrator": "local", "mode": "forecast", "interval_s": 2, "cold_start_s": 120,
-    "budget": 6, "local": {"drain_timeout_s": 10, "log_dir": "/tmp/replicas"},
-    "pools": {"m": {"min_replicas": 2, "max_replicas": 5, "priority": 1, "replica_rps": 4,
-                    "forecast": {"curve": [[0, 2], [9, 20], [20, 5]]}, "replica_args": ["--kv-cache-gib", "4"]}},
+    "enabled": True,
+    "orchestrator": "local",
+    "mode": "forecast",
+    "interval_s": 2,
+    "cold_start_s": 120,
+    "budget": 6,
+    "local": {"drain_timeout_s": 10, "log_dir": "/tmp/replicas"},
+    "pools": {
+        "m": {
+            "min_replicas": 2,
+            "max_replicas": 5,
+            "priority": 1,
+            "replica_rps": 4,
+            "forecast": {"curve": [[0, 2], [9, 20], [20, 5]]},
+            "replica_args": ["--kv-cache-gib", "4"],
+        }
+    },
 }
 
 
@@ -37,29 +51,35 @@ def test_the_autoscale_section_loads(tmp_path):
     assert not FleetConfig().autoscale.enabled, "off unless asked for"
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"pools": {"m": {"min_replicas": 3, "max_replicas": 2}}}, r"pools.m: min_replicas \(3\) is above max_replicas"),
-    ({"pools": {"m": {"target_in_flight": -1}}}, "pools.m: target_in_flight must be a number > 0"),
-    ({"pools": {"m": {"target_kv_usage": 1.5}}}, "target_kv_usage must be a number > 0 and <= 1"),
-    ({"pools": {"m": {"target_ttft_s": 0}}}, "target_ttft_s must be a number > 0"),
-    ({"pools": {"m": {"max_replicas": 0}}}, "max_replicas must be a whole number >= 1"),
-    ({"pools": {"m": {"min_replicas": 1.5}}}, "min_replicas must be a whole number"),
-    ({"pools": {"m": {"forecast": {"curve": [[0, 5]]}}}}, "a forecast needs replica_rps > 0"),
-    ({"pools": {"m": {"replica_rps": 1, "forecast": {"curve": [[25, 5]]}}}}, "hour in 0..24"),
-    ({"pools": {"m": {"replica_rps": 1, "forecast": {"curve": [[1, -5]]}}}}, "requests/s >= 0"),
-    ({"pools": {"m": {"replica_rps": 1, "forecast": {}}}}, "either curve"),
-    ({"pools": {"m": {"replica_rps": 1, "forecast": {"learn": True, "bucket_s": 7}}}}, "bucket_s must divide"),
-    ({"pools": {"m": {"max_replica": 3}}}, "pools.m: unknown setting.*max_replica"),
-    ({"orchestrator": "kubernetes"}, "orchestrator must be one of none, local"),
-    ({"mode": "psychic"}, "mode must be one of forecast, reactive"),
-    ({"interval_s": 0}, "interval_s must be a number > 0"),
-    ({"cold_start_s": -5}, "cold_start_s must be a number >= 0"),
-    ({"warm_buffer": -0.1}, "warm_buffer must be a number >= 0"),
-    ({"scale_down_utilization": 1.2}, "scale_down_utilization"),
-    ({"budget": 1, "pools": {"m": {"min_replicas": 2}}}, r"budget 1 is below the pools' min_replicas together"),
-    ({"local": {"drain_timeout_s": -1}}, "local: drain_timeout_s must be a number >= 0"),
-    ({"replicas_max": 3}, "autoscale: unknown setting.*replicas_max"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {"pools": {"m": {"min_replicas": 3, "max_replicas": 2}}},
+            r"pools.m: min_replicas \(3\) is above max_replicas",
+        ),
+        ({"pools": {"m": {"target_in_flight": -1}}}, "pools.m: target_in_flight must be a number > 0"),
+        ({"pools": {"m": {"target_kv_usage": 1.5}}}, "target_kv_usage must be a number > 0 and <= 1"),
+        ({"pools": {"m": {"target_ttft_s": 0}}}, "target_ttft_s must be a number > 0"),
+        ({"pools": {"m": {"max_replicas": 0}}}, "max_replicas must be a whole number >= 1"),
+        ({"pools": {"m": {"min_replicas": 1.5}}}, "min_replicas must be a whole number"),
+        ({"pools": {"m": {"forecast": {"curve": [[0, 5]]}}}}, "a forecast needs replica_rps > 0"),
+        ({"pools": {"m": {"replica_rps": 1, "forecast": {"curve": [[25, 5]]}}}}, "hour in 0..24"),
+        ({"pools": {"m": {"replica_rps": 1, "forecast": {"curve": [[1, -5]]}}}}, "requests/s >= 0"),
+        ({"pools": {"m": {"replica_rps": 1, "forecast": {}}}}, "either curve"),
+        ({"pools": {"m": {"replica_rps": 1, "forecast": {"learn": True, "bucket_s": 7}}}}, "bucket_s must divide"),
+        ({"pools": {"m": {"max_replica": 3}}}, "pools.m: unknown setting.*max_replica"),
+        ({"orchestrator": "kubernetes"}, "orchestrator must be one of none, local"),
+        ({"mode": "psychic"}, "mode must be one of forecast, reactive"),
+        ({"interval_s": 0}, "interval_s must be a number > 0"),
+        ({"cold_start_s": -5}, "cold_start_s must be a number >= 0"),
+        ({"warm_buffer": -0.1}, "warm_buffer must be a number >= 0"),
+        ({"scale_down_utilization": 1.2}, "scale_down_utilization"),
+        ({"budget": 1, "pools": {"m": {"min_replicas": 2}}}, r"budget 1 is below the pools' min_replicas together"),
+        ({"local": {"drain_timeout_s": -1}}, "local: drain_timeout_s must be a number >= 0"),
+        ({"replicas_max": 3}, "autoscale: unknown setting.*replicas_max"),
+    ],
+)
 def test_impossible_settings_are_clear_start_up_errors(tmp_path, change, message):
     path = write(tmp_path, {"enabled": True, **change})
     with pytest.raises(ValueError, match=message):
@@ -70,8 +90,9 @@ def test_the_gateway_command_refuses_them_before_serving(tmp_path, capsys):
     path = write(tmp_path, {"enabled": True, "pools": {"m": {"min_replicas": 5, "max_replicas": 2}}})
     assert main(["gateway", "--config", str(path)]) == 2
     err = capsys.readouterr().err
-    assert "tokenfleet gateway: error:" in err and "autoscale: pools.m: min_replicas (5) is above max_replicas (2)" \
-        in err
+    assert (
+        "tokenfleet gateway: error:" in err and "autoscale: pools.m: min_replicas (5) is above max_replicas (2)" in err
+    )
 
 
 def test_a_curve_is_interpolated_and_wraps_at_midnight():

@@ -2,6 +2,7 @@
 processes that join through the Redis registry: the pool (min 1, max 2) grows under a load step sent with the
 official openai SDK, the new replica takes traffic, and after the step the pool shrinks again — a replica drained
 and stopped while a trickle of requests goes on — and no request fails."""
+
 from __future__ import annotations
 
 import threading
@@ -22,18 +23,35 @@ REPLICA_ARGS = ["--kv-cache-gib", "0.05", "--swap-space-gib", "0.01", "--max-mod
 
 def fleet_config(model_dir, port: int, prefix: str, logs) -> dict:
     return {
-        "model_name": MODEL, "model_path": str(model_dir), "port": port, "admin_key": ADMIN_KEY,
-        "database_url": f"sqlite:///{logs / 'fleet.db'}", "redis_url": "redis://127.0.0.1:6379/0",
-        "redis_prefix": prefix + "stream:", "quota": {"prefix": prefix + "quota:"},
+        "model_name": MODEL,
+        "model_path": str(model_dir),
+        "port": port,
+        "admin_key": ADMIN_KEY,
+        "database_url": f"sqlite:///{logs / 'fleet.db'}",
+        "redis_url": "redis://127.0.0.1:6379/0",
+        "redis_prefix": prefix + "stream:",
+        "quota": {"prefix": prefix + "quota:"},
         "metering": {"stream_key": prefix + "usage"},
         "dispatch": {"slots_per_replica": 4, "load_interval_s": 0.2},
-        "routing": {"register_prefix": prefix + "replicas:", "load_interval_s": 0.2,
-                    "health": {"check_interval_s": 0.5}},
-        "autoscale": {"enabled": True, "orchestrator": "local", "mode": "reactive", "interval_s": 0.5,
-                      "cold_start_s": 15, "scale_down_delay_s": 3, "cooldown_s": 2, "drain_settle_s": 1,
-                      "local": {"drain_timeout_s": 20, "log_dir": str(logs / "replicas")},
-                      "pools": {MODEL: {"min_replicas": 1, "max_replicas": 2, "target_in_flight": 2,
-                                        "replica_args": REPLICA_ARGS}}},
+        "routing": {
+            "register_prefix": prefix + "replicas:",
+            "load_interval_s": 0.2,
+            "health": {"check_interval_s": 0.5},
+        },
+        "autoscale": {
+            "enabled": True,
+            "orchestrator": "local",
+            "mode": "reactive",
+            "interval_s": 0.5,
+            "cold_start_s": 15,
+            "scale_down_delay_s": 3,
+            "cooldown_s": 2,
+            "drain_settle_s": 1,
+            "local": {"drain_timeout_s": 20, "log_dir": str(logs / "replicas")},
+            "pools": {
+                MODEL: {"min_replicas": 1, "max_replicas": 2, "target_in_flight": 2, "replica_args": REPLICA_ARGS}
+            },
+        },
     }
 
 
@@ -43,8 +61,9 @@ def autoscaled(demo_model_dir, tmp_path):
     (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(fleet_config(demo_model_dir, port, prefix, tmp_path)))
     base, seen = f"http://127.0.0.1:{port}", set()
     try:
-        with running_process(["gateway", "--config", str(tmp_path / "fleet.yaml")], f"{base}/health",
-                             tmp_path / "gateway.log"):
+        with running_process(
+            ["gateway", "--config", str(tmp_path / "fleet.yaml")], f"{base}/health", tmp_path / "gateway.log"
+        ):
             yield {"base": base, "log": tmp_path / "gateway.log", "seen": seen}
         for url in seen:  # the gateway stops the replicas it started when it stops
             with pytest.raises(httpx.HTTPError):
@@ -67,10 +86,16 @@ def wait_until(check, timeout: float, what: str, fleet):
         if result:
             return result
         time.sleep(0.2)
-    metrics = [line for line in httpx.get(f"{fleet['base']}/metrics").text.splitlines()
-               if line.startswith("tokenfleet_autoscale")]
-    raise AssertionError(f"{what} within {timeout}s; replicas {replicas(fleet)}; metrics:\n" + "\n".join(metrics) +
-                         f"\ngateway log:\n{fleet['log'].read_text()[-4000:]}")
+    metrics = [
+        line
+        for line in httpx.get(f"{fleet['base']}/metrics").text.splitlines()
+        if line.startswith("tokenfleet_autoscale")
+    ]
+    raise AssertionError(
+        f"{what} within {timeout}s; replicas {replicas(fleet)}; metrics:\n"
+        + "\n".join(metrics)
+        + f"\ngateway log:\n{fleet['log'].read_text()[-4000:]}"
+    )
 
 
 def gauge(fleet, name: str, **labels: str) -> float:
@@ -101,14 +126,20 @@ class Load:
                 self.failures.append(repr(e))
 
     def _one(self, stream: bool) -> None:
-        kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a story"}], max_tokens=96,
-                      temperature=0, extra_body={"ignore_eos": True})
+        kwargs = dict(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Tell me a story"}],
+            max_tokens=96,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         if not stream:
             response = self.client.chat.completions.create(**kwargs)
             assert response.choices[0].finish_reason == "length" and response.usage.completion_tokens == 96
             return
-        chunks = list(self.client.chat.completions.create(**kwargs, stream=True,
-                                                          stream_options={"include_usage": True}))
+        chunks = list(
+            self.client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+        )
         assert chunks[-1].usage.completion_tokens == 96, chunks[-1]
         assert any(c.choices and c.choices[0].finish_reason == "length" for c in chunks)
 
@@ -121,27 +152,34 @@ class Load:
 
 def test_a_load_step_grows_the_pool_and_it_shrinks_after_without_dropping_a_request(autoscaled):
     fleet = autoscaled
-    first = wait_until(lambda: [r for r in replicas(fleet) if not r["draining"]], 90, "the min replica serving",
-                       fleet)[0]
-    key = httpx.post(f"{fleet['base']}/admin/v1/keys", json={"org": "acme", "user": "ann", "tier": "paid"},
-                     headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()["key"]
+    first = wait_until(lambda: [r for r in replicas(fleet) if not r["draining"]], 90, "the min replica serving", fleet)[
+        0
+    ]
+    key = httpx.post(
+        f"{fleet['base']}/admin/v1/keys",
+        json={"org": "acme", "user": "ann", "tier": "paid"},
+        headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+    ).json()["key"]
     client = openai.OpenAI(base_url=f"{fleet['base']}/v1", api_key=key, max_retries=0, timeout=60)
     assert gauge(fleet, "desired_replicas") == 1
 
     step = Load(client, threads=6)  # 6 in flight at 2 a replica: wants 3, max 2
     try:
-        wait_until(lambda: gauge(fleet, "desired_replicas") == 2, 30,
-                   "desired 2 under the load step", fleet)
-        second = wait_until(lambda: [r for r in replicas(fleet) if r["name"] != first["name"]], 90,
-                            "a second replica joining", fleet)[0]
+        wait_until(lambda: gauge(fleet, "desired_replicas") == 2, 30, "desired 2 under the load step", fleet)
+        second = wait_until(
+            lambda: [r for r in replicas(fleet) if r["name"] != first["name"]], 90, "a second replica joining", fleet
+        )[0]
         wait_until(lambda: served(second["url"]) >= 3, 30, "the second replica taking traffic", fleet)
     finally:
         step.finish()
     trickle = Load(client, threads=1)  # one at a time: the pool wants its minimum again
     try:
-        wait_until(lambda: len(replicas(fleet)) == 1 and
-                   gauge(fleet, "ready_replicas") == 1, 40,
-                   "the pool back to one replica", fleet)
+        wait_until(
+            lambda: len(replicas(fleet)) == 1 and gauge(fleet, "ready_replicas") == 1,
+            40,
+            "the pool back to one replica",
+            fleet,
+        )
         time.sleep(1)  # requests keep going to the one left
     finally:
         trickle.finish()

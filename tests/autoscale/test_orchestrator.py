@@ -1,5 +1,6 @@
 """The local orchestrator without Redis: a replica process it starts joins the router once its /health answers,
 stops on request (and leaves the router), and a replica that cannot start is reported and not retried at once."""
+
 from __future__ import annotations
 
 import asyncio
@@ -29,9 +30,10 @@ async def wait_for(check, timeout: float, what: str) -> None:
 
 def orchestrator(demo_model_dir, tmp_path, args, drain_timeout_s: float = 5) -> tuple[LocalOrchestrator, object]:
     gateway = multi_model_gateway(demo_model_dir, {"tiny": []})
-    settings = AutoscaleSettings(pools={"tiny": PoolPolicy(replica_args=tuple(args))},
-                                 local=LocalSettings(log_dir=str(tmp_path), drain_timeout_s=drain_timeout_s,
-                                                     restart_backoff_s=60))
+    settings = AutoscaleSettings(
+        pools={"tiny": PoolPolicy(replica_args=tuple(args))},
+        local=LocalSettings(log_dir=str(tmp_path), drain_timeout_s=drain_timeout_s, restart_backoff_s=60),
+    )
     gateway.router.make_upstream = lambda url, name, kind: name  # the router only needs something to hold
     return LocalOrchestrator(gateway.router, settings), gateway.router.models["tiny"]
 
@@ -81,8 +83,10 @@ async def test_a_replica_that_cannot_start_is_reported_and_backed_off(demo_model
         await local.close()
 
 
-IGNORES_SIGTERM = ("import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up'); "
-                   "sys.stdout.flush(); time.sleep(60)")
+IGNORES_SIGTERM = (
+    "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up'); "
+    "sys.stdout.flush(); time.sleep(60)"
+)
 
 
 def hung_replica(local: LocalOrchestrator, tmp_path) -> LocalReplica:
@@ -90,14 +94,24 @@ def hung_replica(local: LocalOrchestrator, tmp_path) -> LocalReplica:
     proc = subprocess.Popen([sys.executable, "-c", IGNORES_SIGTERM], stdout=subprocess.PIPE)
     proc.stdout.readline()  # its SIGTERM handler is set
     proc.stdout.close()
-    replica = LocalReplica("127.0.0.1:9", "tiny", "default", "http://127.0.0.1:9", proc, tmp_path / "hung.log",
-                           time.time(), time.monotonic(), ready=True)
+    replica = LocalReplica(
+        "127.0.0.1:9",
+        "tiny",
+        "default",
+        "http://127.0.0.1:9",
+        proc,
+        tmp_path / "hung.log",
+        time.time(),
+        time.monotonic(),
+        ready=True,
+    )
     local.replicas[replica.name] = replica
     return replica
 
 
-async def test_a_stopped_replica_that_hangs_is_killed_after_the_drain_limit(demo_model_dir, tmp_path, caplog,
-                                                                           monkeypatch):
+async def test_a_stopped_replica_that_hangs_is_killed_after_the_drain_limit(
+    demo_model_dir, tmp_path, caplog, monkeypatch
+):
     monkeypatch.setattr(local_module, "KILL_SLACK_S", 0.5, raising=False)
     local, _ = orchestrator(demo_model_dir, tmp_path, [], drain_timeout_s=0.2)
     replica = hung_replica(local, tmp_path)

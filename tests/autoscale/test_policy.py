@@ -1,6 +1,7 @@
 """The policy with an injected clock: up at once under a load step (bounded by max), ahead of a known daily ramp by
 the cold start in forecast mode, down only after the delay, the cool-down and the drain, no flapping on noise,
 capacity shifted between pools under a budget, the batch tier only in the trough."""
+
 from __future__ import annotations
 
 import random
@@ -8,16 +9,30 @@ import random
 import pytest
 
 from tests.autoscale.toy import ToyPool, run
-from tokenfleet.autoscale import (AutoscaleSettings, Autoscaler, CurveForecast, PoolPolicy, PoolSignals,
-                                  ReplicaSignals, allocate, victims)
+from tokenfleet.autoscale import (
+    Autoscaler,
+    AutoscaleSettings,
+    CurveForecast,
+    PoolPolicy,
+    PoolSignals,
+    ReplicaSignals,
+    allocate,
+    victims,
+)
 from tokenfleet.autoscale.policy import Decision, batch_gate
 
 HOUR = 3600.0
 
 
 def settings(**overrides) -> AutoscaleSettings:
-    base = dict(mode="reactive", cold_start_s=300, scale_down_delay_s=60, cooldown_s=30, drain_settle_s=5,
-                pools={"chat": PoolPolicy(min_replicas=1, max_replicas=4, target_in_flight=10)})
+    base = dict(
+        mode="reactive",
+        cold_start_s=300,
+        scale_down_delay_s=60,
+        cooldown_s=30,
+        drain_settle_s=5,
+        pools={"chat": PoolPolicy(min_replicas=1, max_replicas=4, target_in_flight=10)},
+    )
     return AutoscaleSettings(**{**base, **overrides})
 
 
@@ -40,12 +55,15 @@ def test_a_load_step_scales_up_at_once_bounded_by_max():
     assert d.desired == 4 and d.start == 0, "replicas already starting are not started again"
 
 
-@pytest.mark.parametrize("signal, expected", [
-    (dict(kv_usage_mean=0.8, in_flight=4), 2),  # 2 replicas at 80% KV: on target
-    (dict(kv_usage_mean=0.95, in_flight=4), 3),  # above it: 2 x 0.95 / 0.8 = 2.4
-    (dict(projected_ttft_s=3.0, in_flight=4), 4),  # TTFT 3x its 1 s target: 2 x 3 = 6, capped at 4
-    (dict(projected_ttft_s=float("inf"), in_flight=4), 4),
-])
+@pytest.mark.parametrize(
+    "signal, expected",
+    [
+        (dict(kv_usage_mean=0.8, in_flight=4), 2),  # 2 replicas at 80% KV: on target
+        (dict(kv_usage_mean=0.95, in_flight=4), 3),  # above it: 2 x 0.95 / 0.8 = 2.4
+        (dict(projected_ttft_s=3.0, in_flight=4), 4),  # TTFT 3x its 1 s target: 2 x 3 = 6, capped at 4
+        (dict(projected_ttft_s=float("inf"), in_flight=4), 4),
+    ],
+)
 def test_kv_usage_and_projected_ttft_drive_the_need_too(signal, expected):
     d = decide(Autoscaler(settings()), 0, ready=2, replicas=replicas(2, 2), **signal)
     assert d.desired == expected, d.reason
@@ -60,11 +78,19 @@ def test_batch_work_does_not_make_the_pool_grow():
 def test_batch_prompts_waiting_on_the_replicas_do_not_make_the_pool_grow():
     """The projected TTFT counts every prompt queued on the replicas: its need is taken at the interactive share of
     the requests in flight, as KV usage's is."""
-    interactive = decide(Autoscaler(settings()), 0, ready=2, in_flight=10, projected_ttft_s=2.0,
-                         replicas=replicas(5, 5))
+    interactive = decide(
+        Autoscaler(settings()), 0, ready=2, in_flight=10, projected_ttft_s=2.0, replicas=replicas(5, 5)
+    )
     assert interactive.desired == 4 and "ttft needs 4.00" in interactive.reason
-    mostly_batch = decide(Autoscaler(settings()), 0, ready=2, in_flight=10, batch_in_flight=8, projected_ttft_s=2.0,
-                          replicas=replicas(5, 5))
+    mostly_batch = decide(
+        Autoscaler(settings()),
+        0,
+        ready=2,
+        in_flight=10,
+        batch_in_flight=8,
+        projected_ttft_s=2.0,
+        replicas=replicas(5, 5),
+    )
     assert mostly_batch.desired == 2 and mostly_batch.need == pytest.approx(2 * 2.0 * 0.2), mostly_batch.reason
 
 
@@ -82,9 +108,11 @@ def test_in_the_trough_the_batch_tier_is_paced_to_the_spare_replicas_prefill_rat
 def test_the_batch_gate_of_a_model_is_its_pools_paces_together_and_closed_if_one_is():
     signals = {key: PoolSignals(key, model="chat", region=key[5:]) for key in ("chat/eu", "chat/us")}
     signals["code"] = PoolSignals("code")
-    open_ = {"chat/eu": Decision("chat/eu", 2, "", batch_allowed=True, batch_tokens_per_s=1000.0),
-             "chat/us": Decision("chat/us", 2, "", batch_allowed=True, batch_tokens_per_s=500.0),
-             "code": Decision("code", 1, "")}
+    open_ = {
+        "chat/eu": Decision("chat/eu", 2, "", batch_allowed=True, batch_tokens_per_s=1000.0),
+        "chat/us": Decision("chat/us", 2, "", batch_allowed=True, batch_tokens_per_s=500.0),
+        "code": Decision("code", 1, ""),
+    }
     assert batch_gate(signals, open_) == {"chat": 1500.0, "code": 0.0}
     one_busy = {**open_, "chat/us": Decision("chat/us", 3, "")}
     assert batch_gate(signals, one_busy) == {"chat": 0.0, "code": 0.0}
@@ -106,8 +134,14 @@ def test_quiet_scales_down_only_after_the_delay_the_cool_down_and_the_drain():
         assert d.desired == 2 and d.remove == [] and d.drain == [], d.reason
     d = decide(policy, 100, ready=2, draining=1, in_flight=2, replicas=replicas(1, 0, 1, draining=(1,)))
     assert d.remove == ["r1"] and d.desired == 1 and d.drain == ["r2"], "empty: removed; cool-down over: next step"
-    d = decide(policy, 110, ready=1, draining=1, in_flight=1,
-               replicas=replicas(1) + [ReplicaSignals("r2", True, running=0, started_at=2.0)])
+    d = decide(
+        policy,
+        110,
+        ready=1,
+        draining=1,
+        in_flight=1,
+        replicas=replicas(1) + [ReplicaSignals("r2", True, running=0, started_at=2.0)],
+    )
     assert d.remove == ["r2"] and d.desired == 1, "never below min_replicas"
 
 
@@ -132,9 +166,13 @@ def test_a_stuck_drain_ends_after_max_drain_s():
 
 
 def test_victims_are_the_least_busy_then_the_newest_and_only_removable_ones():
-    pool = [ReplicaSignals("old", running=0, started_at=1), ReplicaSignals("new", running=0, started_at=5),
-            ReplicaSignals("busy", running=4, started_at=9), ReplicaSignals("configured", removable=False),
-            ReplicaSignals("ejected", healthy=False, started_at=10)]
+    pool = [
+        ReplicaSignals("old", running=0, started_at=1),
+        ReplicaSignals("new", running=0, started_at=5),
+        ReplicaSignals("busy", running=4, started_at=9),
+        ReplicaSignals("configured", removable=False),
+        ReplicaSignals("ejected", healthy=False, started_at=10),
+    ]
     assert [r.name for r in victims(pool, 4)] == ["new", "old", "busy"]
 
 
@@ -149,8 +187,7 @@ def test_load_coming_back_puts_a_draining_replica_back_before_starting_a_new_one
 def test_a_removed_replica_still_listed_is_never_put_back():
     policy = Autoscaler(settings(scale_down_delay_s=0, cooldown_s=0, drain_settle_s=0))
     assert decide(policy, 0, ready=2, in_flight=1, replicas=replicas(1, 0)).drain == ["r1"]
-    assert decide(policy, 1, ready=1, draining=1, in_flight=1, replicas=replicas(1, 0, draining=(1,))).remove == \
-        ["r1"]
+    assert decide(policy, 1, ready=1, draining=1, in_flight=1, replicas=replicas(1, 0, draining=(1,))).remove == ["r1"]
     d = decide(policy, 2, ready=1, draining=1, in_flight=30, replicas=replicas(10, 0, draining=(1,)))
     assert d.undrain == [] and d.remove == [] and d.start == 2, "its process is being stopped: start new ones"
 
@@ -190,8 +227,14 @@ def test_noisy_signals_do_not_flap():
     rng, changes, last = random.Random(7), 0, None
     for t in range(0, 3600, 5):  # demand wanders around 30 requests (3 replicas' worth), +-20%
         demand = int(30 * rng.uniform(0.8, 1.2))
-        d = decide(policy, t, ready=3, in_flight=min(demand, 30), queued_requests=max(0, demand - 30),
-                   replicas=replicas(*[min(demand, 30) // 3] * 3))
+        d = decide(
+            policy,
+            t,
+            ready=3,
+            in_flight=min(demand, 30),
+            queued_requests=max(0, demand - 30),
+            replicas=replicas(*[min(demand, 30) // 3] * 3),
+        )
         changes += last is not None and d.desired != last
         last = d.desired
     assert changes <= 1, f"desired replicas changed {changes} times in an hour of noise"
@@ -221,11 +264,13 @@ def test_forecast_and_warm_buffer_beat_reactive_over_a_ramp_with_slow_cold_start
     pools = {"chat": PoolPolicy(min_replicas=1, max_replicas=10, target_in_flight=10, replica_rps=10)}
     outcome = {}
     for mode in ("forecast", "reactive"):
-        policy, pool = Autoscaler(settings(mode=mode, cold_start_s=900, pools=pools), {"chat": curve}), \
-            ToyPool("chat", cold_start_s=900)
+        policy, pool = (
+            Autoscaler(settings(mode=mode, cold_start_s=900, pools=pools), {"chat": curve}),
+            ToyPool("chat", cold_start_s=900),
+        )
         pool.add(0)
         queued = replica_seconds = 0.0
-        for t, signals, _ in run(policy, pool, demand, 6 * HOUR, 22 * HOUR, step=30):
+        for _, signals, _ in run(policy, pool, demand, 6 * HOUR, 22 * HOUR, step=30):
             queued += signals.queued_requests * 30
             replica_seconds += (signals.ready + signals.starting + signals.draining) * 30
         outcome[mode] = (queued, replica_seconds / HOUR)
@@ -249,8 +294,10 @@ def test_the_warm_buffer_keeps_capacity_above_the_need():
 
 
 def test_capacity_shifts_between_pools_under_a_budget_by_priority():
-    pools = {"chat": PoolPolicy(min_replicas=1, max_replicas=6, target_in_flight=10, priority=0),
-             "code": PoolPolicy(min_replicas=1, max_replicas=6, target_in_flight=10, priority=1)}
+    pools = {
+        "chat": PoolPolicy(min_replicas=1, max_replicas=6, target_in_flight=10, priority=0),
+        "code": PoolPolicy(min_replicas=1, max_replicas=6, target_in_flight=10, priority=1),
+    }
     policy = Autoscaler(settings(budget=4, pools=pools, scale_down_delay_s=0, cooldown_s=0))
     chat, code = ToyPool("chat", cold_start_s=0), ToyPool("code", cold_start_s=0)
     chat.add(0)
@@ -276,8 +323,7 @@ def test_capacity_shifts_between_pools_under_a_budget_by_priority():
 
 
 def test_allocate_splits_a_priority_class_evenly():
-    pools = {n: PoolPolicy(min_replicas=1, max_replicas=10, priority=p) for n, p in
-             (("a", 0), ("b", 0), ("c", 1))}
+    pools = {n: PoolPolicy(min_replicas=1, max_replicas=10, priority=p) for n, p in (("a", 0), ("b", 0), ("c", 1))}
     assert allocate({"a": 6, "b": 6, "c": 4}, pools, 9) == {"a": 4, "b": 4, "c": 1}
     assert allocate({"a": 2, "b": 6, "c": 4}, pools, 9) == {"a": 2, "b": 6, "c": 1}
     assert allocate({"a": 2, "b": 2, "c": 4}, pools, 9) == {"a": 2, "b": 2, "c": 4}
@@ -297,8 +343,9 @@ def test_the_batch_tier_runs_only_in_the_trough():
         if d.batch_allowed:
             assert d.desired <= signals.ready and d.spare_replicas > 0
     assert all(allowed[h][-1] for h in (1, 2, 3, 4, 23)), "night: batch fills the idle replicas"
-    assert not any(any(allowed[h]) for h in range(6, 21)), "from the morning ramp (less a cold start) to the " \
-                                                            "evening: interactive only"
+    assert not any(any(allowed[h]) for h in range(6, 21)), (
+        "from the morning ramp (less a cold start) to the evening: interactive only"
+    )
 
 
 def test_decisions_are_deterministic():
@@ -306,10 +353,13 @@ def test_decisions_are_deterministic():
         pool = ToyPool("chat", cold_start_s=600)
         pool.add(0)
         rng = random.Random(3)
-        return [(d.desired, d.start, d.drain, d.remove, d.batch_allowed, d.reason)
-                for _, _, d in run(policy, pool, lambda t: rng.uniform(0, 60), 0, 6 * HOUR, step=60)]
+        return [
+            (d.desired, d.start, d.drain, d.remove, d.batch_allowed, d.reason)
+            for _, _, d in run(policy, pool, lambda t: rng.uniform(0, 60), 0, 6 * HOUR, step=60)
+        ]
 
     pools = {"chat": PoolPolicy(min_replicas=1, max_replicas=10, target_in_flight=10, replica_rps=10)}
     curve = CurveForecast([(0, 5), (3, 40)])
-    assert day(Autoscaler(settings(mode="forecast", pools=pools), {"chat": curve})) == \
-        day(Autoscaler(settings(mode="forecast", pools=pools), {"chat": curve}))
+    assert day(Autoscaler(settings(mode="forecast", pools=pools), {"chat": curve})) == day(
+        Autoscaler(settings(mode="forecast", pools=pools), {"chat": curve})
+    )

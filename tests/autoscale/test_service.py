@@ -1,6 +1,7 @@
 """The autoscaler inside a gateway built by the real wiring: its signals read from the router and the fair queues,
 its decisions carried out on the router (drain, undrain, remove) and by an orchestrator (start, stop), the batch
 gate, and the metrics on the gateway's /metrics."""
+
 from __future__ import annotations
 
 import asyncio
@@ -13,11 +14,11 @@ from tests.gateway.inprocess import multi_model_gateway
 from tokenfleet.autoscale import AutoscaleSettings, PoolPolicy
 from tokenfleet.autoscale.service import add_autoscaler
 from tokenfleet.autoscale.signals import ReplicaSignals, pool_signals
+from tokenfleet.commands.serve import build_gateway
 from tokenfleet.config import DispatchSettings, FleetConfig
 from tokenfleet.dispatch.overload import OverloadLadder
-from tokenfleet.dispatch.records import Ticket
+from tokenfleet.dispatch.tickets import Ticket
 from tokenfleet.gateway.gateway import ModelInfo
-from tokenfleet.commands.serve import build_gateway
 from tokenfleet.gateway.resume import MemoryResumeBuffer
 from tokenfleet.model.tokenizer import Tokenizer
 from tokenfleet.router.catalog import ModelSpec, PoolSpec
@@ -60,15 +61,30 @@ class FakeOrchestrator:
 
 
 def fleet(demo_model_dir, **autoscale):
-    pools = {"chat": PoolPolicy(min_replicas=1, max_replicas=3, target_in_flight=4),
-             "code": PoolPolicy(min_replicas=1, max_replicas=2, target_in_flight=4)}
-    settings = AutoscaleSettings(**{"enabled": True, "mode": "reactive", "scale_down_delay_s": 0, "cooldown_s": 0,
-                                    "drain_settle_s": 0, "pools": pools, **autoscale})
+    pools = {
+        "chat": PoolPolicy(min_replicas=1, max_replicas=3, target_in_flight=4),
+        "code": PoolPolicy(min_replicas=1, max_replicas=2, target_in_flight=4),
+    }
+    settings = AutoscaleSettings(
+        **{
+            "enabled": True,
+            "mode": "reactive",
+            "scale_down_delay_s": 0,
+            "cooldown_s": 0,
+            "drain_settle_s": 0,
+            "pools": pools,
+            **autoscale,
+        }
+    )
     dispatch = DispatchSettings(slots_per_replica=4, prefill_tokens_per_s=1000)
-    gateway = multi_model_gateway(demo_model_dir, {"chat": [Stub("a"), Stub("b")], "code": [Stub("c")]},
-                                  dispatch=dispatch)
-    config = FleetConfig(models=[ModelSpec("chat", str(demo_model_dir)), ModelSpec("code", str(demo_model_dir))],
-                         dispatch=dispatch, autoscale=settings)
+    gateway = multi_model_gateway(
+        demo_model_dir, {"chat": [Stub("a"), Stub("b")], "code": [Stub("c")]}, dispatch=dispatch
+    )
+    config = FleetConfig(
+        models=[ModelSpec("chat", str(demo_model_dir)), ModelSpec("code", str(demo_model_dir))],
+        dispatch=dispatch,
+        autoscale=settings,
+    )
     return gateway, config
 
 
@@ -98,8 +114,10 @@ async def test_signals_come_from_the_router_and_the_fair_queue(demo_model_dir):
     assert signals.kv_usage_mean == signals.kv_usage_max == 0.5, "ready replicas only"
     assert math.isclose(signals.projected_ttft_s, 2000 / 1000), "queued prefill at one ready replica's rate"
     assert [(r.name, r.removable) for r in signals.replicas] == [("a", True), ("b", False)]
-    waiters += [asyncio.ensure_future(chat.acquire(Ticket(f"r{i}", "acme", tier, 5)))
-                for i, tier in enumerate(("paid", "paid", "batch"))]
+    waiters += [
+        asyncio.ensure_future(chat.acquire(Ticket(f"r{i}", "acme", tier, 5)))
+        for i, tier in enumerate(("paid", "paid", "batch"))
+    ]
     await asyncio.sleep(0)
     assert math.isclose(service.reader.shares(110.0)["chat/default"].arrival_rate, 2 / 10), "batch arrivals left out"
     for waiter in waiters:
@@ -127,16 +145,19 @@ async def test_the_service_drains_removes_and_starts_through_the_router_and_the_
     assert decisions["code/default"].desired == 2 and orchestrator.started == [("code", "default", 1)]
     decisions = await service.step()
     assert decisions["code/default"].start == 0, "the one starting counts"
-    assert gateway.admission.batch_pace["chat"] > 0 and gateway.admission.batch_pace["code"] == 0, \
+    assert gateway.admission.batch_pace["chat"] > 0 and gateway.admission.batch_pace["code"] == 0, (
         "code has no room to spare"
+    )
     text = gateway.render_metrics().decode()
-    for line in ('tokenfleet_autoscale_desired_replicas{model="code",pool="default"} 2.0',
-                 'tokenfleet_autoscale_ready_replicas{model="chat",pool="default"} 1.0',
-                 'tokenfleet_autoscale_starting_replicas{model="code",pool="default"} 1.0',
-                 'tokenfleet_autoscale_in_flight_requests{model="code",pool="default"} 8.0',
-                 'tokenfleet_autoscale_batch_allowed{model="code",pool="default"} 0.0',
-                 'tokenfleet_autoscale_batch_tokens_per_second{model="code",pool="default"} 0.0',
-                 'tokenfleet_autoscale_scale_events_total{direction="up",model="code",pool="default"} 1.0'):
+    for line in (
+        'tokenfleet_autoscale_desired_replicas{model="code",pool="default"} 2.0',
+        'tokenfleet_autoscale_ready_replicas{model="chat",pool="default"} 1.0',
+        'tokenfleet_autoscale_starting_replicas{model="code",pool="default"} 1.0',
+        'tokenfleet_autoscale_in_flight_requests{model="code",pool="default"} 8.0',
+        'tokenfleet_autoscale_batch_allowed{model="code",pool="default"} 0.0',
+        'tokenfleet_autoscale_batch_tokens_per_second{model="code",pool="default"} 0.0',
+        'tokenfleet_autoscale_scale_events_total{direction="up",model="code",pool="default"} 1.0',
+    ):
         assert line in text, line
 
 
@@ -195,12 +216,16 @@ def test_a_models_forecast_curve_is_not_bought_again_by_each_region(demo_model_d
     """A curve in requests/s for a model with two regions would make each region's pool scale for all of it."""
     regions = [PoolSpec("near", latency_ms=1), PoolSpec("far", latency_ms=20)]
     forecast = {"replica_rps": 4, "forecast": {"curve": [[0, 40]]}}
-    for pools, error in (({"chat": forecast}, "chat/near, chat/far"),
-                         ({"chat": forecast, "chat/far": forecast}, "chat/near"),
-                         ({"chat": {"replica_rps": 4, "forecast": {"learn": True}}}, None),
-                         ({"chat/far": forecast, "chat/near": forecast}, None)):
-        config = FleetConfig(models=[ModelSpec("chat", str(demo_model_dir), pools=regions)],
-                             autoscale=AutoscaleSettings(enabled=True, pools=pools))
+    for pools, error in (
+        ({"chat": forecast}, "chat/near, chat/far"),
+        ({"chat": forecast, "chat/far": forecast}, "chat/near"),
+        ({"chat": {"replica_rps": 4, "forecast": {"learn": True}}}, None),
+        ({"chat/far": forecast, "chat/near": forecast}, None),
+    ):
+        config = FleetConfig(
+            models=[ModelSpec("chat", str(demo_model_dir), pools=regions)],
+            autoscale=AutoscaleSettings(enabled=True, pools=pools),
+        )
         info = ModelInfo("chat", Tokenizer.from_dir(demo_model_dir), 512)
         gateway, _ = build_gateway(config, {"chat": info}, lambda url, name, kind: None, "local", MemoryResumeBuffer())
         if error is None:
@@ -220,8 +245,9 @@ def test_disabled_autoscaling_adds_nothing(demo_model_dir):
 async def test_each_region_of_a_model_is_a_pool_of_its_own(demo_model_dir):
     regions = [PoolSpec("near", latency_ms=1), PoolSpec("far", latency_ms=20)]
     spec = ModelSpec("chat", str(demo_model_dir), pools=regions)
-    settings = AutoscaleSettings(enabled=True, mode="reactive", pools={"chat": {"max_replicas": 3},
-                                                                       "chat/far": {"min_replicas": 2}})
+    settings = AutoscaleSettings(
+        enabled=True, mode="reactive", pools={"chat": {"max_replicas": 3}, "chat/far": {"min_replicas": 2}}
+    )
     config = FleetConfig(models=[spec], autoscale=settings)
     info = ModelInfo("chat", Tokenizer.from_dir(demo_model_dir), 512)
     gateway, _ = build_gateway(config, {"chat": info}, lambda url, name, kind: None, "local", MemoryResumeBuffer())

@@ -1,5 +1,6 @@
 """Several gateways add up their shares of the autoscaler's signals in the fleet's Redis (real Redis): every one
 decides on the fleet's totals, a gateway that stops writing drops out, and without Redis each goes on alone."""
+
 from __future__ import annotations
 
 import asyncio
@@ -29,13 +30,16 @@ async def test_every_gateway_sees_the_sum_of_the_live_gateways_shares(prefix):
     client = aioredis.from_url(REDIS_URL)
     a, b, c = (SharedShares(client, prefix, ttl_s=30, me=name) for name in "abc")
     mine_a = {"m/eu": GatewayShare(queued=2, queued_tokens=200, batch_in_use=5, in_use=9, slots=16, arrival_rate=1.5)}
-    mine_b = {"m/eu": GatewayShare(queued=1, queued_tokens=50, batch_in_use=3, in_use=4, slots=16, arrival_rate=2.0),
-              "m/us": GatewayShare(arrival_rate=4.0)}
+    mine_b = {
+        "m/eu": GatewayShare(queued=1, queued_tokens=50, batch_in_use=3, in_use=4, slots=16, arrival_rate=2.0),
+        "m/us": GatewayShare(arrival_rate=4.0),
+    }
     assert await a.total(mine_a) == mine_a, "alone so far"
     await b.total(mine_b)
     total = await a.total(mine_a)
-    assert total["m/eu"] == GatewayShare(queued=3, queued_tokens=250, batch_in_use=8, in_use=13, slots=32,
-                                         arrival_rate=3.5)
+    assert total["m/eu"] == GatewayShare(
+        queued=3, queued_tokens=250, batch_in_use=8, in_use=13, slots=32, arrival_rate=3.5
+    )
     assert total["m/us"] == GatewayShare(arrival_rate=4.0), "a pool only another gateway feeds"
     assert (await c.total({}))["m/eu"].arrival_rate == 3.5, "a gateway with no queue of its own sees the others"
     assert await a.total(mine_a) == total, "writing again replaces, never adds twice"
@@ -69,11 +73,16 @@ async def test_other_gateways_batch_work_is_not_interactive_demand(prefix):
     for g in gateways:
         await g.total({"m/eu": GatewayShare(batch_in_use=60, in_use=60 + 7, slots=256)})
     replicas = [ReplicaSignals(f"r{i}", running=50) for i in range(4)]
-    policy = Autoscaler(AutoscaleSettings(mode="reactive", pools={"m/eu": PoolPolicy(max_replicas=16,
-                                                                                    target_in_flight=32)}))
+    policy = Autoscaler(
+        AutoscaleSettings(mode="reactive", pools={"m/eu": PoolPolicy(max_replicas=16, target_in_flight=32)})
+    )
     alone = pool_signals("m/eu", replicas, GatewayShare(batch_in_use=60, in_use=67, slots=256), 1000.0)
-    total = pool_signals("m/eu", replicas, (await gateways[0].total(
-        {"m/eu": GatewayShare(batch_in_use=60, in_use=67, slots=256)}))["m/eu"], 1000.0)
+    total = pool_signals(
+        "m/eu",
+        replicas,
+        (await gateways[0].total({"m/eu": GatewayShare(batch_in_use=60, in_use=67, slots=256)}))["m/eu"],
+        1000.0,
+    )
     assert (alone.interactive_demand, total.interactive_demand) == (140, 20)
     assert policy.need(0.0, total).replicas < 1 < policy.need(0.0, alone).replicas
     await client.aclose()
@@ -89,7 +98,8 @@ async def test_a_fleet_gateways_autoscaler_decides_on_the_totals(demo_model_dir,
     service = add_autoscaler(gateway, config)
     client = aioredis.from_url(REDIS_URL)
     await SharedShares(client, prefix, ttl_s=30, me="other").total(
-        {"chat/default": GatewayShare(queued=8, queued_tokens=800, arrival_rate=3.0)})
+        {"chat/default": GatewayShare(queued=8, queued_tokens=800, arrival_rate=3.0)}
+    )
     await service.step()
     chat = service.signals["chat/default"]
     assert (chat.queued_requests, chat.arrival_rate) == (8, 3.0)

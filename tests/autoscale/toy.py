@@ -1,6 +1,7 @@
 """A toy pool to drive the policy with: replicas serve `cold_start_s` after they are started, a demand (requests in
 flight, 1 s each, so also requests/s) spreads over the ready ones, and what does not fit queues. Decisions are
 applied the way the gateway's service applies them."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -42,14 +43,21 @@ class ToyPool:
         running = min(int(demand), capacity)
         for i, r in enumerate(ready):
             r.busy = running // len(ready) + (i < running % len(ready))
-        return PoolSignals(self.name, ready=len(ready), starting=sum(r.ready_at > now for r in self.replicas.values()),
-                           draining=sum(r.draining for r in self.replicas.values()),
-                           queued_requests=max(0, int(demand) - capacity),
-                           in_flight=sum(r.busy for r in self.replicas.values()),
-                           kv_usage_mean=running / capacity / 2 if capacity else 0.0,
-                           arrival_rate=demand if rate is None else rate,
-                           replicas=[ReplicaSignals(r.name, r.draining, running=r.busy, started_at=r.started_at)
-                                     for r in self.replicas.values() if r.ready_at <= now])
+        return PoolSignals(
+            self.name,
+            ready=len(ready),
+            starting=sum(r.ready_at > now for r in self.replicas.values()),
+            draining=sum(r.draining for r in self.replicas.values()),
+            queued_requests=max(0, int(demand) - capacity),
+            in_flight=sum(r.busy for r in self.replicas.values()),
+            kv_usage_mean=running / capacity / 2 if capacity else 0.0,
+            arrival_rate=demand if rate is None else rate,
+            replicas=[
+                ReplicaSignals(r.name, r.draining, running=r.busy, started_at=r.started_at)
+                for r in self.replicas.values()
+                if r.ready_at <= now
+            ],
+        )
 
     def apply(self, now: float, d: Decision) -> None:
         for name in d.undrain:

@@ -1,4 +1,5 @@
 """Prices and the usage report over the warehouse table, on SQLite and PostgreSQL."""
+
 from __future__ import annotations
 
 from datetime import timedelta
@@ -22,8 +23,7 @@ def test_a_price_counts_cached_input_at_its_own_rate():
     assert PriceTable.from_dict({"m": {"input": 3}}).price("m").cached_input == 3  # defaults to the input price
 
 
-@pytest.mark.parametrize("bad", [{"m": {"input": -1}}, {"m": {"output": "cheap"}}, {"m": {"inptu": 1}},
-                                 {"m": 5}])
+@pytest.mark.parametrize("bad", [{"m": {"input": -1}}, {"m": {"output": "cheap"}}, {"m": {"inptu": 1}}, {"m": 5}])
 def test_bad_prices_are_refused_with_the_model_named(bad):
     with pytest.raises(ValueError, match="prices.m"):
         PriceTable.from_dict(bad)
@@ -35,13 +35,43 @@ def test_unknown_groups_are_refused():
 
 
 async def seed(db: Database) -> None:
-    rows = [event(1, org_id="a", user_id="u1", model="big", tier="paid", input_tokens=1000, cached_tokens=400,
-                  output_tokens=100, engine_s=2.0),
-            event(2, org_id="a", user_id="u2", model="small", tier="free", input_tokens=10, cached_tokens=0,
-                  output_tokens=50, engine_s=0.5),
-            event(3, org_id="b", user_id="u3", model="big", tier="paid", input_tokens=100, cached_tokens=0,
-                  output_tokens=300, engine_s=1.0, started_at=START + timedelta(days=1),
-                  ended_at=START + timedelta(days=1, seconds=1))]
+    rows = [
+        event(
+            1,
+            org_id="a",
+            user_id="u1",
+            model="big",
+            tier="paid",
+            input_tokens=1000,
+            cached_tokens=400,
+            output_tokens=100,
+            engine_s=2.0,
+        ),
+        event(
+            2,
+            org_id="a",
+            user_id="u2",
+            model="small",
+            tier="free",
+            input_tokens=10,
+            cached_tokens=0,
+            output_tokens=50,
+            engine_s=0.5,
+        ),
+        event(
+            3,
+            org_id="b",
+            user_id="u3",
+            model="big",
+            tier="paid",
+            input_tokens=100,
+            cached_tokens=0,
+            output_tokens=300,
+            engine_s=1.0,
+            started_at=START + timedelta(days=1),
+            ended_at=START + timedelta(days=1, seconds=1),
+        ),
+    ]
     async with db.session() as session, session.begin():
         await insert_ignoring(session, WAREHOUSE, [warehouse_row(e) for e in rows], key="request_id")
 

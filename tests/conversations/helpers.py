@@ -1,5 +1,6 @@
 """A gateway with the conversations API, in process (ASGI) over stand-in replicas or the real engine, its users
 authenticated with real API keys from the test database; and an SSE reader."""
+
 from __future__ import annotations
 
 import asyncio
@@ -41,12 +42,21 @@ class SlowUpstream:
                 await asyncio.sleep(self.delay)
                 last = i == self.count - 1
                 piece = f"w{i} "
-                choice = {"index": 0, "finish_reason": self.finish if last else None,
-                          **({"delta": {"content": piece}} if kind == "chat" else {"text": piece})}
-                yield {"id": "x", "choices": [choice],
-                       "usage": {"prompt_tokens": 7, "completion_tokens": i + 1, "total_tokens": 8 + i}}
-            yield {"id": "x", "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": self.count,
-                                                       "total_tokens": 7 + self.count}}
+                choice = {
+                    "index": 0,
+                    "finish_reason": self.finish if last else None,
+                    **({"delta": {"content": piece}} if kind == "chat" else {"text": piece}),
+                }
+                yield {
+                    "id": "x",
+                    "choices": [choice],
+                    "usage": {"prompt_tokens": 7, "completion_tokens": i + 1, "total_tokens": 8 + i},
+                }
+            yield {
+                "id": "x",
+                "choices": [],
+                "usage": {"prompt_tokens": 7, "completion_tokens": self.count, "total_tokens": 7 + self.count},
+            }
         finally:
             self.running -= 1
 
@@ -81,8 +91,10 @@ async def conversations_app(model_dir, db: Database, upstreams: list, window: in
         gateway.models[MODEL] = replace(gateway.models[MODEL], max_model_len=window)
     users = await with_users(gateway, db)
     installed: list[ConversationService] = []
-    app = create_gateway_app(gateway, lambda app: installed.append(
-        add_conversation_routes(app, gateway, db, ConversationSettings(**settings))))
+    app = create_gateway_app(
+        gateway,
+        lambda app: installed.append(add_conversation_routes(app, gateway, db, ConversationSettings(**settings))),
+    )
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=30) as client:
         try:
             yield client, installed[0], users

@@ -1,5 +1,6 @@
 """Fitting a conversation into the model's window with its real tokenizer and chat template: the system prompt and
 the message being answered always stay, the newest earlier turns stay as far as room allows, whole turns go."""
+
 from __future__ import annotations
 
 import pytest
@@ -42,11 +43,11 @@ def test_the_oldest_turns_go_and_the_system_prompt_and_newest_turns_stay(tokeniz
     assert prompt.messages[0] == {"role": "system", "content": "You are terse."}
     assert prompt.messages[-1] == ASK[0]
     assert 0 < len(kept) < len(everything) and prompt.dropped == len(everything) - len(kept)
-    assert kept == everything[-len(kept):], "a suffix of the history: the newest turns"
+    assert kept == everything[-len(kept) :], "a suffix of the history: the newest turns"
     assert kept[0]["role"] == "user", "whole turns are dropped"
     assert prompt.tokens + max_tokens <= window
     # the largest suffix that fits: one more turn would not
-    longer = [{"role": "system", "content": "You are terse."}, *everything[-len(kept) - 2:], *ASK]
+    longer = [{"role": "system", "content": "You are terse."}, *everything[-len(kept) - 2 :], *ASK]
     assert len(tokenizer.encode_chat(longer, add_generation_prompt=True)) + max_tokens > window
 
 
@@ -56,7 +57,7 @@ def test_the_fit_is_tight_for_any_history_length(tokenizer, n_turns):
         prompt = fit(tokenizer, window, 50, None, history(n_turns), ASK)
         assert prompt.tokens + 50 <= window
         if prompt.dropped:
-            one_more = history(n_turns)[-(2 * n_turns - prompt.dropped) - 2:]
+            one_more = history(n_turns)[-(2 * n_turns - prompt.dropped) - 2 :]
             assert len(tokenizer.encode_chat([*one_more, *ASK], add_generation_prompt=True)) + 50 > window
 
 
@@ -70,12 +71,16 @@ def test_a_message_too_long_for_the_window_is_a_clear_400(tokenizer):
 def test_a_continued_reply_ends_with_its_text_so_far(tokenizer):
     prompt = fit(tokenizer, 512, 50, "S", history(1), ASK, prefix="It will rain")
     head = tokenizer.encode_chat(prompt.messages, add_generation_prompt=True)
-    assert prompt.token_ids[:len(head)] == head
-    assert tokenizer.decode(prompt.token_ids[len(head):]) == "It will rain"
+    assert prompt.token_ids[: len(head)] == head
+    assert tokenizer.decode(prompt.token_ids[len(head) :]) == "It will rain"
 
 
 def test_turns_start_at_user_messages():
     assert [len(t) for t in turns(history(3))] == [2, 2, 2]
-    odd = [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "a"},
-           {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    odd = [
+        {"role": "assistant", "content": "hi"},
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+    ]
     assert [len(t) for t in turns(odd)] == [1, 2, 1]

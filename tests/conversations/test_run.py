@@ -1,4 +1,5 @@
 """A reply's events as the conversation stream sends them."""
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """`conversations:` in fleet.yaml: read like every other section, bad values are start-up errors naming it."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,12 +19,15 @@ def test_the_section_is_read(tmp_path):
     assert FleetConfig().conversations.save_interval_s == 1.0
 
 
-@pytest.mark.parametrize("section, words", [
-    ({"save_every": 1}, "unknown setting(s) save_every"),
-    ({"save_interval_s": 0}, "save_interval_s must be positive"),
-    ({"save_interval_s": 2, "stale_after_s": 5}, "at least three save intervals"),
-    ({"max_message_chars": 0}, "at least 1"),
-])
+@pytest.mark.parametrize(
+    "section, words",
+    [
+        ({"save_every": 1}, "unknown setting(s) save_every"),
+        ({"save_interval_s": 0}, "save_interval_s must be positive"),
+        ({"save_interval_s": 2, "stale_after_s": 5}, "at least three save intervals"),
+        ({"max_message_chars": 0}, "at least 1"),
+    ],
+)
 def test_bad_settings_are_clear_start_up_errors(tmp_path, section, words):
     with pytest.raises(ValueError) as e:
         load(tmp_path, section)

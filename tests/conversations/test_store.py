@@ -1,5 +1,6 @@
 """The conversation store on SQLite and PostgreSQL: owner scoping, cursors through long histories, the reply's
 life (streaming -> complete | stopped | failed), stale replies of a dead gateway, one reply at a time."""
+
 from __future__ import annotations
 
 import asyncio
@@ -135,8 +136,9 @@ async def test_a_reply_left_streaming_by_a_dead_gateway_turns_failed(store, db):
     await store.save_progress(reply.id, "req-1", "half a rep", 3)
     assert await store.fail_stale() == 0, "a reply saved recently is alive"
     async with db.sessions.begin() as session:  # its gateway died 31 s ago
-        await session.execute(update(MessageRow).where(MessageRow.id == reply.id)
-                              .values(updated_at=utcnow() - timedelta(seconds=31)))
+        await session.execute(
+            update(MessageRow).where(MessageRow.id == reply.id).values(updated_at=utcnow() - timedelta(seconds=31))
+        )
     found = await store.message(ANN, reply.id)  # reading it is enough
     assert (found.status, found.content) == (FAILED, "half a rep") and "regenerate" in found.error
     with pytest.raises(Conflict):
@@ -151,8 +153,9 @@ async def test_the_sweep_fails_stale_replies_everywhere(store, db):
         conv = await store.create(owner, "tiny")
         replies.append((await store.add_turn(owner, conv.id, "hi", 1, f"req-{owner.user_id}", "tiny"))[1])
     async with db.sessions.begin() as session:
-        await session.execute(update(MessageRow).where(MessageRow.id == replies[0].id)
-                              .values(updated_at=utcnow() - timedelta(minutes=5)))
+        await session.execute(
+            update(MessageRow).where(MessageRow.id == replies[0].id).values(updated_at=utcnow() - timedelta(minutes=5))
+        )
     assert await store.fail_stale() == 1
     assert (await store.message(ANN, replies[0].id)).status == FAILED
     assert (await store.message(EVE, replies[1].id)).status == STREAMING
@@ -160,8 +163,9 @@ async def test_the_sweep_fails_stale_replies_everywhere(store, db):
 
 async def test_only_one_reply_streams_in_a_conversation_even_when_racing(store):
     conv = await store.create(ANN, "tiny")
-    results = await asyncio.gather(*(store.add_turn(ANN, conv.id, f"m{i}", 1, f"req-{i}", "tiny")
-                                     for i in range(4)), return_exceptions=True)
+    results = await asyncio.gather(
+        *(store.add_turn(ANN, conv.id, f"m{i}", 1, f"req-{i}", "tiny") for i in range(4)), return_exceptions=True
+    )
     assert sum(not isinstance(r, BaseException) for r in results) == 1
     assert all(isinstance(r, Conflict) for r in results if isinstance(r, BaseException)), results
     assert [m.seq for m in await store.history(ANN, conv.id)] == [1, 2]

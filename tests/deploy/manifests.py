@@ -1,6 +1,7 @@
 """Reading deploy/kubernetes for the tests: every YAML document of every file (duplicate keys are an error, as
 they are for kubectl), lookups by kind and name, and the pieces the invariants look at (containers, the
 tokenfleet command line, env, preStop, the fleet.yaml in the ConfigMap)."""
+
 from __future__ import annotations
 
 import argparse
@@ -138,8 +139,10 @@ class BadArguments(Exception):
 def parse_tokenfleet(container: dict) -> argparse.Namespace:
     """The container's `tokenfleet SUBCOMMAND ...` parsed by the real CLI parser. Every --flag must be spelled out
     in full: argparse would also take an unambiguous prefix (--drain for --drain-timeout), which is fragile."""
-    words = [expand(str(w), sample_env(container)) for w in
-             list(container.get("command") or []) + list(container.get("args") or [])]
+    words = [
+        expand(str(w), sample_env(container))
+        for w in list(container.get("command") or []) + list(container.get("args") or [])
+    ]
     if not words or words[0] != "tokenfleet":
         raise BadArguments(f"not a tokenfleet command: {words}")
     sub = subcommand_parser(words[1])
@@ -158,6 +161,7 @@ def parse_tokenfleet(container: dict) -> argparse.Namespace:
 
 
 # --- pieces ------------------------------------------------------------------------------------------------------
+
 
 def prestop_seconds(container: dict) -> float | None:
     """How long the preStop hook holds SIGTERM back: `sleep N` (exec) or the sleep action. None without a hook."""
@@ -194,7 +198,7 @@ def mounted_configmap_file(deployment: Obj, container: dict, path: str) -> tuple
         volume = volumes.get(mount["name"]) or {}
         if not path.startswith(root) or "configMap" not in volume:
             continue
-        relative = path[len(root):]
+        relative = path[len(root) :]
         items = volume["configMap"].get("items")
         if items is None:
             return volume["configMap"]["name"], relative
@@ -207,9 +211,11 @@ def mounted_configmap_file(deployment: Obj, container: dict, path: str) -> tuple
 def pvc_mounts(deployment: Obj, container: dict) -> dict[str, str]:
     """mountPath -> claim name for the container's PersistentVolumeClaim mounts."""
     volumes = {v["name"]: v for v in pod_spec(deployment).get("volumes") or []}
-    return {m["mountPath"].rstrip("/"): volumes[m["name"]]["persistentVolumeClaim"]["claimName"]
-            for m in container.get("volumeMounts") or []
-            if "persistentVolumeClaim" in volumes.get(m["name"], {})}
+    return {
+        m["mountPath"].rstrip("/"): volumes[m["name"]]["persistentVolumeClaim"]["claimName"]
+        for m in container.get("volumeMounts") or []
+        if "persistentVolumeClaim" in volumes.get(m["name"], {})
+    }
 
 
 def example_secret() -> dict[str, str]:

@@ -1,6 +1,7 @@
 """deploy/Dockerfile, read (no container engine here): it installs the torch version pyproject.toml pins, on a Python
 that pyproject.toml accepts, copies only paths that exist and that .dockerignore lets through, runs as the user the
 manifests expect, and its entry point is the tokenfleet command."""
+
 from __future__ import annotations
 
 import json
@@ -55,8 +56,11 @@ def test_torch_is_the_pinned_version():
 
 
 def test_copied_paths_exist_and_are_not_ignored():
-    ignore = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-              if line.strip() and not line.startswith("#")]
+    ignore = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     allowed = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
     for word, rest in instructions():
         if word != "COPY" or rest.startswith("--from"):

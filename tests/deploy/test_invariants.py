@@ -4,6 +4,7 @@ with FleetConfig.load (with the Secret's values arriving through the environment
 period, every probe, Secret key, ConfigMap, volume and selector points at something real, the replicas join the
 fleet the gateways are configured for, and the ScaledObject scales the replica Deployment on the autoscaler's
 decision for exactly that model and pool."""
+
 from __future__ import annotations
 
 import re
@@ -11,9 +12,24 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from tests.deploy.manifests import (EXAMPLE_SECRET, BadArguments, Obj, containers, deployments_of, example_secret,
-                                    find, labels_match, mounted_configmap_file, objects, of_kind, parse_tokenfleet,
-                                    pod_spec, prestop_seconds, probe_port, pvc_mounts, sample_env)
+from tests.deploy.manifests import (
+    EXAMPLE_SECRET,
+    BadArguments,
+    Obj,
+    containers,
+    deployments_of,
+    example_secret,
+    find,
+    labels_match,
+    mounted_configmap_file,
+    objects,
+    of_kind,
+    parse_tokenfleet,
+    pod_spec,
+    prestop_seconds,
+    probe_port,
+    pvc_mounts,
+)
 from tokenfleet.autoscale.signals import pool_key
 from tokenfleet.config import FleetConfig
 
@@ -56,7 +72,7 @@ def raw_flag(container: dict, flag: str) -> str:
         if word == flag and i + 1 < len(words):
             return words[i + 1]
         if word.startswith(flag + "="):
-            return word[len(flag) + 1:]
+            return word[len(flag) + 1 :]
     raise AssertionError(f"{container['name']} has no {flag}")
 
 
@@ -71,6 +87,7 @@ def test_there_is_a_gateway_and_a_replica_pool():
 
 
 # --- command lines ----------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("deployment, container", ALL, ids=ids(ALL))
 def test_args_are_real_tokenfleet_flags(deployment, container):
@@ -95,6 +112,7 @@ def test_image(deployment, container):
 
 # --- probes and drain -------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("deployment, container", ALL, ids=ids(ALL))
 def test_probes_hit_health_on_the_served_port(deployment, container, tmp_path, monkeypatch):
     args = parse_tokenfleet(container)
@@ -103,21 +121,26 @@ def test_probes_hit_health_on_the_served_port(deployment, container, tmp_path, m
         probe = container.get(kind)
         assert probe is not None, f"{deployment.name}: no {kind}"
         assert probe.get("httpGet", {}).get("path") == "/health", f"{kind} must GET /health"
-        assert probe_port(container, probe) == port, f"{kind} probes port {probe_port(container, probe)}, " \
-                                                     f"the server listens on {port}"
+        assert probe_port(container, probe) == port, (
+            f"{kind} probes port {probe_port(container, probe)}, the server listens on {port}"
+        )
 
 
 @pytest.mark.parametrize("deployment, container", ALL, ids=ids(ALL))
 def test_grace_period_covers_prestop_and_drain(deployment, container, tmp_path, monkeypatch):
     args = parse_tokenfleet(container)
-    drain = (fleet_config(deployment, container, tmp_path, monkeypatch).drain_timeout_s if hasattr(args, "config")
-             else args.drain_timeout)
+    drain = (
+        fleet_config(deployment, container, tmp_path, monkeypatch).drain_timeout_s
+        if hasattr(args, "config")
+        else args.drain_timeout
+    )
     prestop = prestop_seconds(container)
     assert prestop is not None and prestop > 0, f"{deployment.name}: no preStop hook"
     grace = pod_spec(deployment).get("terminationGracePeriodSeconds", 30)
     assert grace >= prestop + drain + DRAIN_MARGIN_S, (
         f"{deployment.name}: terminationGracePeriodSeconds {grace} < preStop {prestop} + drain {drain} + "
-        f"margin {DRAIN_MARGIN_S}: the pod would be killed mid-drain")
+        f"margin {DRAIN_MARGIN_S}: the pod would be killed mid-drain"
+    )
 
 
 @pytest.mark.parametrize("deployment, container", ALL, ids=ids(ALL))
@@ -127,6 +150,7 @@ def test_rollouts_keep_capacity(deployment, container):
 
 
 # --- the gateway and its configuration -----------------------------------------------------------------------------
+
 
 def test_fleet_yaml_loads_and_gets_the_secrets(tmp_path, monkeypatch):
     config = gateway_fleet(tmp_path, monkeypatch)
@@ -149,7 +173,7 @@ def test_fleet_yaml_holds_no_secrets():
 
 
 def test_gateway_service_and_pdb_select_the_gateways_only(tmp_path, monkeypatch):
-    (gateway, container), = GATEWAYS
+    ((gateway, container),) = GATEWAYS
     pod_labels = gateway.doc["spec"]["template"]["metadata"]["labels"]
     replica_labels = [d.doc["spec"]["template"]["metadata"]["labels"] for d, _ in REPLICAS]
     port = fleet_config(gateway, container, tmp_path, monkeypatch).port
@@ -160,19 +184,22 @@ def test_gateway_service_and_pdb_select_the_gateways_only(tmp_path, monkeypatch)
         for p in service.doc["spec"]["ports"]:
             target = p.get("targetPort", p["port"])
             assert probe_port(container, {"httpGet": {"port": target}}) == port, "Service targets the wrong port"
-    pdbs = [p for p in of_kind("PodDisruptionBudget")
-            if labels_match(p.doc["spec"]["selector"]["matchLabels"], pod_labels)]
+    pdbs = [
+        p for p in of_kind("PodDisruptionBudget") if labels_match(p.doc["spec"]["selector"]["matchLabels"], pod_labels)
+    ]
     assert len(pdbs) == 1, "the gateways need exactly one PodDisruptionBudget"
     pdb = pdbs[0].doc["spec"]
     assert not any(labels_match(pdb["selector"]["matchLabels"], r) for r in replica_labels)
     if "minAvailable" in pdb:
-        assert isinstance(pdb["minAvailable"], int) and pdb["minAvailable"] < gateway.doc["spec"]["replicas"], \
+        assert isinstance(pdb["minAvailable"], int) and pdb["minAvailable"] < gateway.doc["spec"]["replicas"], (
             "minAvailable >= replicas blocks every node drain"
+        )
     else:
         assert pdb.get("maxUnavailable", 0) not in (0, "0%"), "maxUnavailable 0 blocks every node drain"
 
 
 # --- references between objects --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("deployment", of_kind("Deployment"), ids=str)
 def test_selector_matches_the_pod_template(deployment):
@@ -180,8 +207,9 @@ def test_selector_matches_the_pod_template(deployment):
     assert labels_match(selector, deployment.doc["spec"]["template"]["metadata"]["labels"])
     for other in of_kind("Deployment"):
         if other.name != deployment.name:
-            assert not labels_match(selector, other.doc["spec"]["template"]["metadata"]["labels"]), \
+            assert not labels_match(selector, other.doc["spec"]["template"]["metadata"]["labels"]), (
                 f"{deployment.name}'s selector also selects {other.name}'s pods"
+            )
 
 
 @pytest.mark.parametrize("deployment", of_kind("Deployment"), ids=str)
@@ -209,6 +237,7 @@ def test_referenced_secrets_configmaps_and_claims_exist(deployment):
 
 # --- replicas join the gateways' fleet --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("deployment, container", REPLICAS, ids=ids(REPLICAS))
 def test_replica_joins_the_configured_fleet(deployment, container, tmp_path, monkeypatch):
     fleet = gateway_fleet(tmp_path, monkeypatch)
@@ -216,7 +245,8 @@ def test_replica_joins_the_configured_fleet(deployment, container, tmp_path, mon
     models = {m.name: m for m in fleet.served_models()}
     assert args.served_model_name in models, (
         f"--served-model-name {args.served_model_name!r} is not a model of fleet.yaml ({', '.join(models)}): "
-        "the gateways would ignore these replicas")
+        "the gateways would ignore these replicas"
+    )
     spec = models[args.served_model_name]
     assert args.pool in {p.name for p in spec.pools}, f"--pool {args.pool} is not a pool of {spec.name}"
     assert args.register == fleet.redis_url, "--register must name the gateways' Redis (redis_url)"
@@ -235,7 +265,7 @@ def test_replica_joins_the_configured_fleet(deployment, container, tmp_path, mon
 
 
 def test_models_are_on_the_models_volume(tmp_path, monkeypatch):
-    (gateway, gateway_container), = GATEWAYS
+    ((gateway, gateway_container),) = GATEWAYS
     fleet = gateway_fleet(tmp_path, monkeypatch)
     paths = {m.name: m.path for m in fleet.served_models()}
 
@@ -245,7 +275,7 @@ def test_models_are_on_the_models_volume(tmp_path, monkeypatch):
         assert root is not None, f"{deployment.name}: {path} is on no mounted volume"
         return mounts[root]
 
-    for name, path in paths.items():
+    for path in paths.values():
         claim_of(gateway, gateway_container, path)  # the gateway reads tokenizer and config.json there
     for deployment, container in REPLICAS:
         args = parse_tokenfleet(container)
@@ -266,9 +296,14 @@ def test_replica_gets_a_gpu(deployment, container):
 
 # --- autoscaling --------------------------------------------------------------------------------------------------
 
+
 def scaled_objects_for(deployment: Obj) -> list[Obj]:
-    return [s for s in of_kind("ScaledObject") if s.doc["spec"]["scaleTargetRef"]["name"] == deployment.name
-            and s.doc["spec"]["scaleTargetRef"].get("kind", "Deployment") == "Deployment"]
+    return [
+        s
+        for s in of_kind("ScaledObject")
+        if s.doc["spec"]["scaleTargetRef"]["name"] == deployment.name
+        and s.doc["spec"]["scaleTargetRef"].get("kind", "Deployment") == "Deployment"
+    ]
 
 
 @pytest.mark.parametrize("scaled", of_kind("ScaledObject"), ids=str)
@@ -285,11 +320,11 @@ def test_every_replica_pool_scales_on_the_autoscaler_decision(deployment, contai
     scaled = scaled_objects_for(deployment)
     assert len(scaled) == 1, f"{deployment.name} needs exactly one ScaledObject, has {len(scaled)}"
     spec = scaled[0].doc["spec"]
-    assert "replicas" not in deployment.doc["spec"], \
+    assert "replicas" not in deployment.doc["spec"], (
         "the HPA owns the replica count: spec.replicas would reset it on every apply"
+    )
     args = parse_tokenfleet(container)
-    triggers = [t for t in spec["triggers"] if t["type"] == "prometheus"
-                and DESIRED_METRIC in t["metadata"]["query"]]
+    triggers = [t for t in spec["triggers"] if t["type"] == "prometheus" and DESIRED_METRIC in t["metadata"]["query"]]
     assert len(triggers) == 1, f"expected one prometheus trigger on {DESIRED_METRIC}"
     trigger = triggers[0]
     selector = re.search(DESIRED_METRIC + r"\{([^}]*)\}", trigger["metadata"]["query"])
@@ -300,8 +335,9 @@ def test_every_replica_pool_scales_on_the_autoscaler_decision(deployment, contai
     # the metric is a replica count: the HPA's desired count is ceil(value / threshold) only for AverageValue
     assert trigger.get("metricType", "AverageValue") == "AverageValue"
     assert float(trigger["metadata"]["threshold"]) == 1.0
-    assert trigger["metadata"].get("ignoreNullValues") == "false", \
+    assert trigger["metadata"].get("ignoreNullValues") == "false", (
         "a missing series must be an error (then the fallback), not 0 replicas"
+    )
     low, high = spec.get("minReplicaCount", 0), spec.get("maxReplicaCount", 100)
     assert 1 <= low <= high, "never scale a replica pool to zero: a cold start takes minutes"
     fallback = spec.get("fallback")
@@ -318,6 +354,7 @@ def test_the_gateways_export_the_decision_the_scaledobject_follows(deployment, c
     args = parse_tokenfleet(container)
     pool = settings.pool(pool_key(args.served_model_name, args.pool), args.served_model_name)
     spec = scaled_objects_for(deployment)[0].doc["spec"]
-    assert (pool.min_replicas, pool.max_replicas) == (spec.get("minReplicaCount", 0),
-                                                      spec.get("maxReplicaCount", 100)), \
-        "the pool's min_replicas/max_replicas must equal the ScaledObject's minReplicaCount/maxReplicaCount"
+    assert (pool.min_replicas, pool.max_replicas) == (
+        spec.get("minReplicaCount", 0),
+        spec.get("maxReplicaCount", 100),
+    ), "the pool's min_replicas/max_replicas must equal the ScaledObject's minReplicaCount/maxReplicaCount"

@@ -4,6 +4,7 @@ field validation). KEDA's ScaledObject is a custom resource, so it is checked wi
 keda_scaledobject.schema.json (written from KEDA's documented fields), and the HPA behavior it carries against
 Kubernetes' own autoscaling/v2 schema. The kustomization must list every manifest, and renders with kubectl's
 built-in kustomize when kubectl is installed."""
+
 from __future__ import annotations
 
 import copy
@@ -18,8 +19,16 @@ import pytest
 import yaml
 from kubernetes_validate.utils import SchemaNotFoundError, latest_version
 
-from tests.deploy.manifests import (EXAMPLE_SECRET, K8S_DIR, KUSTOMIZATION, Obj, load_documents, manifest_files,
-                                    objects, of_kind)
+from tests.deploy.manifests import (
+    EXAMPLE_SECRET,
+    K8S_DIR,
+    KUSTOMIZATION,
+    Obj,
+    load_documents,
+    manifest_files,
+    objects,
+    of_kind,
+)
 
 # The oldest Kubernetes release these manifests must work on, and the newest one whose schemas are installed.
 K8S_VERSIONS = ("1.30", ".".join(latest_version().split(".")[:2]))
@@ -41,8 +50,10 @@ def validate_kubernetes(doc: dict, version: str) -> None:
 
 def keda_errors(doc: dict) -> list[str]:
     validator = jsonschema.Draft202012Validator(KEDA_SCHEMA)
-    return [f"{'/'.join(str(p) for p in e.absolute_path) or '(top)'}: {e.message}"
-            for e in sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))]
+    return [
+        f"{'/'.join(str(p) for p in e.absolute_path) or '(top)'}: {e.message}"
+        for e in sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
+    ]
 
 
 @pytest.mark.parametrize("path", manifest_files() + [K8S_DIR / KUSTOMIZATION], ids=lambda p: p.name)
@@ -96,24 +107,37 @@ def test_keda_hpa_behavior_is_a_valid_hpa_behavior(obj: Obj):
     if behavior is None:
         pytest.skip("no HPA behavior")
     target = spec["scaleTargetRef"]
-    hpa = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": {"name": "keda-hpa"},
-           "spec": {"scaleTargetRef": {"apiVersion": target.get("apiVersion", "apps/v1"),
-                                       "kind": target.get("kind", "Deployment"), "name": target["name"]},
-                    "minReplicas": max(1, spec.get("minReplicaCount", 0)),
-                    "maxReplicas": spec.get("maxReplicaCount", 100), "behavior": behavior}}
+    hpa = {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": "keda-hpa"},
+        "spec": {
+            "scaleTargetRef": {
+                "apiVersion": target.get("apiVersion", "apps/v1"),
+                "kind": target.get("kind", "Deployment"),
+                "name": target["name"],
+            },
+            "minReplicas": max(1, spec.get("minReplicaCount", 0)),
+            "maxReplicas": spec.get("maxReplicaCount", 100),
+            "behavior": behavior,
+        },
+    }
     for version in K8S_VERSIONS:
         validate_kubernetes(hpa, version)
 
 
-@pytest.mark.parametrize("mistake, expected", [
-    (lambda s: s["triggers"][0]["metadata"].update(threshold=1), "is not of type 'string'"),
-    (lambda s: s["triggers"][0]["metadata"].update(treshold="1"), "'treshold' was unexpected"),
-    (lambda s: s["triggers"][0]["metadata"].pop("query"), "'query' is a required property"),
-    (lambda s: s["scaleTargetRef"].pop("name"), "'name' is a required property"),
-    (lambda s: s.update(minReplicas=1), "'minReplicas' was unexpected"),
-    (lambda s: s.update(fallback={"replicas": 2}), "'failureThreshold' is a required property"),
-    (lambda s: s.update(triggers=[]), "should be non-empty"),
-])
+@pytest.mark.parametrize(
+    "mistake, expected",
+    [
+        (lambda s: s["triggers"][0]["metadata"].update(threshold=1), "is not of type 'string'"),
+        (lambda s: s["triggers"][0]["metadata"].update(treshold="1"), "'treshold' was unexpected"),
+        (lambda s: s["triggers"][0]["metadata"].pop("query"), "'query' is a required property"),
+        (lambda s: s["scaleTargetRef"].pop("name"), "'name' is a required property"),
+        (lambda s: s.update(minReplicas=1), "'minReplicas' was unexpected"),
+        (lambda s: s.update(fallback={"replicas": 2}), "'failureThreshold' is a required property"),
+        (lambda s: s.update(triggers=[]), "should be non-empty"),
+    ],
+)
 def test_the_keda_schema_catches_mistakes(mistake, expected):
     doc = copy.deepcopy(of_kind("ScaledObject")[0].doc)
     mistake(doc["spec"])
@@ -130,8 +154,9 @@ def test_kustomization_lists_every_manifest():
     for name in listed:
         assert (K8S_DIR / name).is_file(), f"kustomization.yaml lists {name}, which does not exist"
     expected = {p.name for p in manifest_files()} - {EXAMPLE_SECRET}
-    assert set(listed) == expected, (f"not listed: {sorted(expected - set(listed))}; "
-                                     f"listed but no manifest: {sorted(set(listed) - expected)}")
+    assert set(listed) == expected, (
+        f"not listed: {sorted(expected - set(listed))}; listed but no manifest: {sorted(set(listed) - expected)}"
+    )
     assert EXAMPLE_SECRET not in listed, "the example Secret (placeholder credentials) must not be applied"
 
 

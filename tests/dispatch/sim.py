@@ -1,5 +1,6 @@
 """A discrete-event pool that drives the real Dispatcher on a fake clock: each granted ticket holds its slot for
 cost / tokens_per_s seconds of fake time, then is released. Nothing sleeps."""
+
 from __future__ import annotations
 
 import asyncio
@@ -91,6 +92,8 @@ class PoolSim:
 
 def keep_backlogged(sim: PoolSim, make_ticket: Callable[[str, str], Ticket]) -> Callable[[Slot], None]:
     """An on_grant hook: every granted ticket is replaced by a new one from the same tenant and tier."""
+
     def replace(slot: Slot) -> None:
         sim.submit(make_ticket(slot.ticket.tenant, slot.ticket.tier))
+
     return replace

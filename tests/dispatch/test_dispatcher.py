@@ -1,4 +1,5 @@
 """The dispatcher's contract: grants, waiting, cancellation, release, pause, capacity changes, bad input, snapshot."""
+
 from __future__ import annotations
 
 import asyncio
@@ -29,6 +30,7 @@ def test_acquire_returns_without_waiting_when_a_slot_is_free():
         slot = done.value.value
         assert slot.ticket.request_id == "req-1" and slot.waited_s == 0 and not slot.reserved
         assert d.snapshot().in_use == 1
+
     run(main())
 
 
@@ -49,6 +51,7 @@ def test_full_pool_queues_and_each_release_pulls_the_next_ticket_in_order():
         assert order == ["req-1", "req-2", "req-3"]
         d.release(slot)
         assert d.snapshot().in_use == 0 and d.snapshot().queued == 0
+
     run(main())
 
 
@@ -68,6 +71,7 @@ def test_cancelling_a_waiting_ticket_removes_it_and_leaks_nothing():
         assert d.snapshot().in_use == 0  # the slot was not handed to the ghost
         again = await d.acquire(ticket(2))
         assert d.snapshot().in_use == 1 and again.ticket.request_id == "req-2"
+
     run(main())
 
 
@@ -82,6 +86,7 @@ def test_a_slot_granted_as_the_task_is_cancelled_is_given_back():
         with pytest.raises(asyncio.CancelledError):
             await task
         assert d.snapshot().in_use == 0 and d.snapshot().queued == 0
+
     run(main())
 
 
@@ -100,6 +105,7 @@ def test_a_ticket_cancelled_before_its_task_runs_is_skipped_for_the_next():
             await ghost
         snap = d.snapshot()
         assert snap.in_use == 1 and snap.queued == 0 and snap.tiers["paid"].cancelled == 1
+
     run(main())
 
 
@@ -121,6 +127,7 @@ def test_release_is_idempotent_and_ignores_foreign_slots():
             d.release(waiters[0].result(), served_tokens=-1)
         waiters[1].cancel()
         await asyncio.gather(*waiters, return_exceptions=True)
+
     run(main())
 
 
@@ -146,6 +153,7 @@ def test_paused_tier_keeps_its_queue_and_resumes_after_unpause():
         d.release(free.result())
         await settle()
         assert late.done()
+
     run(main())
 
 
@@ -174,6 +182,7 @@ def test_set_slots_grows_at_once_and_shrinking_revokes_nothing():
         assert not waiting[3].done() and d.snapshot().in_use == 0
         waiting[3].cancel()
         await asyncio.gather(*waiting, return_exceptions=True)
+
     run(main())
 
 
@@ -198,15 +207,19 @@ def test_bad_input_is_named():
         with pytest.raises(ValueError, match="tenant"):
             await d.acquire(ticket(3, tenant=""))
         assert d.snapshot().queued == 0 and d.snapshot().in_use == 0
+
     run(main())
 
 
-@pytest.mark.parametrize("shares, message", [
-    ({"a": 0.6, "b": 0.5}, "sum to 1.1"),
-    ({"a": 0.0}, "in \\(0, 1\\]"),
-    ({"a": 1.5}, "in \\(0, 1\\]"),
-    ({"a": -0.2}, "in \\(0, 1\\]"),
-])
+@pytest.mark.parametrize(
+    "shares, message",
+    [
+        ({"a": 0.6, "b": 0.5}, "sum to 1.1"),
+        ({"a": 0.0}, "in \\(0, 1\\]"),
+        ({"a": 1.5}, "in \\(0, 1\\]"),
+        ({"a": -0.2}, "in \\(0, 1\\]"),
+    ],
+)
 def test_bad_provisioned_shares_raise(shares, message):
     with pytest.raises(ValueError, match=message):
         Dispatcher(TIERS, slots=1, provisioned=shares)
@@ -237,11 +250,13 @@ def test_snapshot_reports_queues_waits_and_counters():
         await tasks[1]
         free = d.snapshot().tiers["free"]
         assert (free.dispatched, free.dispatched_tokens, free.wait_s_total, free.queued) == (2, 500, 9.0, 0)
+
     run(main())
 
 
 def test_served_tokens_reconcile_the_fair_share():
     """Two equal tiers; one's tickets are estimated at 1000 tokens but serve 100: it is charged what it used."""
+
     async def main():
         tiers = {"a": TierConfig(0, 1), "b": TierConfig(0, 1)}
         d = Dispatcher(tiers, slots=1)
@@ -257,6 +272,7 @@ def test_served_tokens_reconcile_the_fair_share():
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
     run(main())
 
 
@@ -299,12 +315,15 @@ def test_a_ticket_larger_than_its_limit_goes_alone_and_none_lifts_the_limit():
     assert small.done() and not d.snapshot().tiers["batch"].at_limit
 
 
-@pytest.mark.parametrize("args, message", [
-    ((["nope"], 10), "unknown tier"),
-    ((["batch"], -1), "max_tokens"),
-    ((["batch"], 1.5), "max_tokens"),
-    ((["batch"], 10, 0.0), "window_s"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((["nope"], 10), "unknown tier"),
+        ((["batch"], -1), "max_tokens"),
+        ((["batch"], 1.5), "max_tokens"),
+        ((["batch"], 10, 0.0), "window_s"),
+    ],
+)
 def test_bad_limits_are_named(args, message):
     with pytest.raises(ValueError, match=message):
         Dispatcher(TIERS, slots=1).set_limit(*args)

@@ -1,4 +1,5 @@
 """Deficit round-robin across tenants, on its own."""
+
 from __future__ import annotations
 
 import random

@@ -1,5 +1,6 @@
 """Simulations that drive the real Dispatcher on a fake clock: shares across tiers, tenants within a tier, and
 provisioned throughput, each with tickets served for a time proportional to their cost."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,11 +20,13 @@ def ticket_maker(rng: random.Random, max_cost: int = MAX_COST):
 
     def make(tenant: str, tier: str) -> Ticket:
         return Ticket(f"{tenant}-{next(counter)}", tenant, tier, rng.randint(50, max_cost))
+
     return make
 
 
-def backlogged_sim(dispatcher: Dispatcher, clock: FakeClock, tenants: dict[str, list[str]], make,
-                   outstanding: int = 6) -> PoolSim:
+def backlogged_sim(
+    dispatcher: Dispatcher, clock: FakeClock, tenants: dict[str, list[str]], make, outstanding: int = 6
+) -> PoolSim:
     sim = PoolSim(dispatcher, clock)
     sim.on_grant = keep_backlogged(sim, make)
     for tier, names in tenants.items():
@@ -49,6 +52,7 @@ def test_tiers_share_served_tokens_by_weight_and_free_is_never_starved():
         await sim.run(grants=6000)
         await sim.close()
         return sim
+
     sim = asyncio.run(main())
 
     warm_up = sim.completed[500][0]
@@ -87,6 +91,7 @@ def test_tenants_in_a_tier_share_tokens_equally_whatever_their_request_sizes():
         await sim.run(grants=3000)
         await sim.close()
         return sim
+
     sim = asyncio.run(main())
     tokens = served_tokens(sim, sim.completed[200][0], key=lambda slot: slot.ticket.tenant)
     mean = sum(tokens.values()) / 3
@@ -121,6 +126,7 @@ def test_heavy_tenant_delays_a_light_tenant_by_at_most_one_quantum():
         assert d.snapshot().tiers["paid"].queued > 100  # the heavy tenant stayed backlogged throughout
         await sim.close()
         return ahead_of_light, rejoining
+
     ahead_of_light, rejoining = asyncio.run(main())
     assert max(ahead_of_light) <= quantum, ahead_of_light
     assert ahead_of_light == [0] * 20  # in fact a tenant with nothing queued goes next (drr.py, sparse tenants)
@@ -140,6 +146,7 @@ def test_provisioned_tenant_gets_at_least_its_share_under_contention():
         await sim.run(grants=4000)
         await sim.close()
         return sim
+
     sim = asyncio.run(main())
     tokens = served_tokens(sim, sim.completed[300][0], key=lambda slot: slot.ticket.tenant)
     acme = tokens["acme"] / sum(tokens.values())
@@ -149,6 +156,7 @@ def test_provisioned_tenant_gets_at_least_its_share_under_contention():
 
 def test_provisioned_tenant_back_from_idle_does_not_take_the_pool():
     """Its share is a floor while it has work, not credit banked while it was idle."""
+
     async def main():
         clock = FakeClock()
         d = Dispatcher(TIERS, slots=8, clock=clock, provisioned={"acme": 0.25}, provisioned_window_s=30.0)
@@ -156,11 +164,12 @@ def test_provisioned_tenant_back_from_idle_does_not_take_the_pool():
         sim = backlogged_sim(d, clock, {"paid": ["p1", "p2"]}, make)
         await sim.run(grants=600)
         start = len(sim.grants)
-        for i in range(200):
+        for _ in range(200):
             sim.submit(make("acme", "paid"))
         await sim.run(grants=start + 200)
         await sim.close()
-        return sim.grants[start:start + 200]
+        return sim.grants[start : start + 200]
+
     after = asyncio.run(main())
     acme_tokens = sum(s.ticket.cost for s in after if s.ticket.tenant == "acme")
     # three paid tenants, acme with a 25% floor: about a third (fair queuing) and far from the whole pool

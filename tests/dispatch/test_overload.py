@@ -1,4 +1,5 @@
 """The overload ladder: projected TTFT, one step at a time up and (with hysteresis) down, and the plan per tier."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,18 +10,29 @@ import pytest
 
 from tests.dispatch.sim import FakeClock, Grant, settle
 from tokenfleet.config import default_tiers
-from tokenfleet.dispatch import Dispatcher, LoadSignal, OverloadLadder, OverloadSettings, Plan, Ticket
-from tokenfleet.dispatch import projected_ttft_s
+from tokenfleet.dispatch import Dispatcher, LoadSignal, OverloadLadder, OverloadSettings, Plan, Ticket, projected_ttft_s
 
-SETTINGS = OverloadSettings(ttft_target_s=1.0, thresholds=(0.5, 0.75, 1.0, 1.5), step_down_ratio=0.8,
-                            cool_down_s=10.0, free_max_tokens=256, free_model="small-8b", shed_retry_after_s=7.0)
+SETTINGS = OverloadSettings(
+    ttft_target_s=1.0,
+    thresholds=(0.5, 0.75, 1.0, 1.5),
+    step_down_ratio=0.8,
+    cool_down_s=10.0,
+    free_max_tokens=256,
+    free_model="small-8b",
+    shed_retry_after_s=7.0,
+)
 
 
 def load(ttft_s: float, rate: float = 10_000.0) -> LoadSignal:
     """A signal whose projected TTFT is ttft_s: the backlog split between the dispatcher and the replicas."""
     backlog = round(ttft_s * rate)
-    return LoadSignal(queued_tokens=backlog // 2, replica_waiting_tokens=backlog - backlog // 2, running=8,
-                      slots=8, prefill_tokens_per_s=rate)
+    return LoadSignal(
+        queued_tokens=backlog // 2,
+        replica_waiting_tokens=backlog - backlog // 2,
+        running=8,
+        slots=8,
+        prefill_tokens_per_s=rate,
+    )
 
 
 def test_projected_ttft():
@@ -92,14 +104,26 @@ def test_plans_per_tier_at_each_level():
     assert plans(ladder) == dict.fromkeys(("enterprise", "paid", "free", "batch"), admit)
 
     expected = {
-        1: {"paid": ("admit", None, None, None), "free": ("admit", None, None, None),
-            "batch": ("queue", None, None, None)},
-        2: {"paid": ("admit", None, None, None), "free": ("admit", 256, "small-8b", None),
-            "batch": ("queue", None, None, None)},
-        3: {"paid": ("admit", None, None, None), "free": ("shed", None, None, 7.0),
-            "batch": ("queue", None, None, None)},
-        4: {"paid": ("queue", None, None, None), "free": ("shed", None, None, 7.0),
-            "batch": ("queue", None, None, None)},
+        1: {
+            "paid": ("admit", None, None, None),
+            "free": ("admit", None, None, None),
+            "batch": ("queue", None, None, None),
+        },
+        2: {
+            "paid": ("admit", None, None, None),
+            "free": ("admit", 256, "small-8b", None),
+            "batch": ("queue", None, None, None),
+        },
+        3: {
+            "paid": ("admit", None, None, None),
+            "free": ("shed", None, None, 7.0),
+            "batch": ("queue", None, None, None),
+        },
+        4: {
+            "paid": ("queue", None, None, None),
+            "free": ("shed", None, None, 7.0),
+            "batch": ("queue", None, None, None),
+        },
     }
     for level in range(1, 5):
         ladder.update(load(2.0))
@@ -108,8 +132,13 @@ def test_plans_per_tier_at_each_level():
         assert got["enterprise"] == got["paid"]  # every tier that is neither batch nor free is paid
         for tier, (action, cap, model, retry) in expected[level].items():
             plan = got[tier]
-            assert (plan.action, plan.max_tokens_cap, plan.model_override, plan.retry_after_s, plan.level) == \
-                (action, cap, model, retry, level), (level, tier)
+            assert (plan.action, plan.max_tokens_cap, plan.model_override, plan.retry_after_s, plan.level) == (
+                action,
+                cap,
+                model,
+                retry,
+                level,
+            ), (level, tier)
     assert got["paid"].queue_delay_s == 2.0  # at level 4 paid requests queue, told the projected delay
 
     no_small_model = OverloadLadder(OverloadSettings(free_model=None), clock=clock)
@@ -136,6 +165,7 @@ def test_apply_pauses_and_resumes_the_batch_tier():
         await settle()
         assert batch.done() and not d.snapshot().tiers["batch"].paused
         OverloadLadder(OverloadSettings(batch_tiers=("batch", "bulk")), clock=clock).apply(d)  # unknown: skipped
+
     asyncio.run(main())
 
 
@@ -167,18 +197,21 @@ def test_apply_paces_the_batch_tier_to_the_batch_gate():
     assert d.snapshot().tiers["batch"].in_use == 5, "no gate: no pace"
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"thresholds": (0.5, 0.4, 1.0, 1.5)}, "increasing"),
-    ({"thresholds": (0.5, 0.75, 0.75, 1.5)}, "increasing"),
-    ({"thresholds": (-0.5, 0.75, 1.0, 1.5)}, "positive"),
-    ({"thresholds": (0.5, 0.75, 1.0)}, "4 values"),
-    ({"ttft_target_s": 0.0}, "ttft_target_s"),
-    ({"step_down_ratio": 1.0}, "step_down_ratio"),
-    ({"cool_down_s": -1.0}, "cool_down_s"),
-    ({"free_max_tokens": 0}, "free_max_tokens"),
-    ({"shed_retry_after_s": 0}, "shed_retry_after_s"),
-    ({"free_tiers": ("free", "batch")}, "both batch and free"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"thresholds": (0.5, 0.4, 1.0, 1.5)}, "increasing"),
+        ({"thresholds": (0.5, 0.75, 0.75, 1.5)}, "increasing"),
+        ({"thresholds": (-0.5, 0.75, 1.0, 1.5)}, "positive"),
+        ({"thresholds": (0.5, 0.75, 1.0)}, "4 values"),
+        ({"ttft_target_s": 0.0}, "ttft_target_s"),
+        ({"step_down_ratio": 1.0}, "step_down_ratio"),
+        ({"cool_down_s": -1.0}, "cool_down_s"),
+        ({"free_max_tokens": 0}, "free_max_tokens"),
+        ({"shed_retry_after_s": 0}, "shed_retry_after_s"),
+        ({"free_tiers": ("free", "batch")}, "both batch and free"),
+    ],
+)
 def test_bad_settings_raise(changes, message):
     with pytest.raises(ValueError, match=message):
         OverloadSettings(**changes)

@@ -1,5 +1,6 @@
 """Bad requests are rejected up front with a ValueError naming the problem, and never hurt the engine: requests around
 them complete, nothing stays queued, no KV block leaks. A model step that raises fails only its own requests."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,13 @@ def greedy(max_tokens: int = 8, **kw) -> SamplingParams:
 
 
 def make_llm(model_dir, num_blocks: int = 64, **kw) -> LLM:
-    return LLM(str(model_dir), max_model_len=MAX_LEN, kv_cache_gib=num_blocks * BLOCK_BYTES / (1 << 30),
-               swap_space_gib=SMALL_KV["swap_space_gib"], **kw)
+    return LLM(
+        str(model_dir),
+        max_model_len=MAX_LEN,
+        kv_cache_gib=num_blocks * BLOCK_BYTES / (1 << 30),
+        swap_space_gib=SMALL_KV["swap_space_gib"],
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +79,11 @@ BAD_REQUESTS = {
     "prompt fills the window": (ids(MAX_LEN), greedy(1), ["256 tokens", "maximum context length is 256"]),
     "prompt past the window": (ids(300), greedy(1), ["300 tokens", "maximum context length is 256"]),
     "long text": ("hello world " * 400, greedy(1), ["maximum context length is 256"]),
-    "max_tokens past the window": (ids(10), greedy(247), ["maximum context length is 256", "257 tokens",
-                                                          "247 to generate"]),
+    "max_tokens past the window": (
+        ids(10),
+        greedy(247),
+        ["maximum context length is 256", "257 tokens", "247 to generate"],
+    ),
     "max_tokens far past the window": (ids(200), greedy(10_000), ["maximum context length", "10200"]),
     "token id = vocab size": ([5, 6, VOCAB], None, [f"{VOCAB}", "outside the vocabulary"]),
     "token id huge": ([5, 10**12], None, [f"{10**12}", "outside the vocabulary"]),
@@ -190,8 +199,13 @@ def test_request_larger_than_the_kv_cache(demo_model_dir):
 
 @pytest.mark.parametrize("bad_at", [0, 2, 4])
 def test_generate_with_one_bad_prompt_queues_nothing(llm, bad_at):
-    good = ["Hello there", {"prompt_token_ids": ids(30)}, "The quick brown fox", {"prompt_token_ids": ids(5)},
-            "jumps over"]
+    good = [
+        "Hello there",
+        {"prompt_token_ids": ids(30)},
+        "The quick brown fox",
+        {"prompt_token_ids": ids(5)},
+        "jumps over",
+    ]
     prompts = list(good)
     prompts[bad_at] = {"prompt_token_ids": ids(MAX_LEN + 10)}
     with pytest.raises(ValueError, match="maximum context length is 256"):
@@ -205,8 +219,9 @@ def test_generate_with_one_bad_prompt_queues_nothing(llm, bad_at):
     assert_idle_and_clean(llm.engine)
 
 
-@pytest.mark.parametrize("case", ["empty text", "empty ids", "bad id", "bad params", "not a prompt",
-                                  "params count", "priority count"])
+@pytest.mark.parametrize(
+    "case", ["empty text", "empty ids", "bad id", "bad params", "not a prompt", "params count", "priority count"]
+)
 def test_generate_rejects_and_next_generate_works(llm, case):
     prompts: list = ["first", {"prompt_token_ids": ids(7)}, "third"]
     params: object = greedy(3)
@@ -264,9 +279,16 @@ def fail_once(engine: Engine, monkeypatch, message: str = "simulated CUDA error"
 def test_failed_step_fails_only_its_requests(demo_model_dir, monkeypatch):
     llm = make_llm(demo_model_dir, max_num_seqs=2)
     engine = llm.engine
-    reference = {p: o.token_ids for p, o in zip(
-        ["a", "b", "c", "d"], llm.generate([{"prompt_token_ids": ids(n, start=s)} for n, s in
-                                            [(20, 100), (40, 200), (17, 300), (33, 400)]], greedy(6)))}
+    reference = {
+        p: o.token_ids
+        for p, o in zip(
+            ["a", "b", "c", "d"],
+            llm.generate(
+                [{"prompt_token_ids": ids(n, start=s)} for n, s in [(20, 100), (40, 200), (17, 300), (33, 400)]],
+                greedy(6),
+            ),
+        )
+    }
     assert_idle_and_clean(engine)
 
     engine.add_request(ids(20, start=100), greedy(6), request_id="a")

@@ -1,4 +1,5 @@
 """Randomized submit / cancel / finish / preempt sequences never leak or double-own a KV block."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -37,21 +38,31 @@ def check_invariants(blocks: KVBlockManager, sched: Scheduler, host_blocks: int)
     assert sorted(host_owned + blocks.free_host) == list(range(host_blocks)), "a host block leaked"
 
 
-operations = st.lists(st.one_of(
-    st.tuples(st.just("submit"), st.integers(1, 40), st.integers(1, 30), st.integers(0, 2), st.integers(0, 3)),
-    st.tuples(st.just("step"), st.integers(0, 10**6)),
-    st.tuples(st.just("cancel"), st.integers(0, 50)),
-), min_size=1, max_size=80)
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("submit"), st.integers(1, 40), st.integers(1, 30), st.integers(0, 2), st.integers(0, 3)),
+        st.tuples(st.just("step"), st.integers(0, 10**6)),
+        st.tuples(st.just("cancel"), st.integers(0, 50)),
+    ),
+    min_size=1,
+    max_size=80,
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=operations, num_blocks=st.integers(12, 40), threshold=st.sampled_from([4, 1000]),
-       budget=st.sampled_from([8, 32, 256]), prefix_caching=st.booleans())
+@given(
+    ops=operations,
+    num_blocks=st.integers(12, 40),
+    threshold=st.sampled_from([4, 1000]),
+    budget=st.sampled_from([8, 32, 256]),
+    prefix_caching=st.booleans(),
+)
 def test_every_block_is_free_cached_or_owned(ops, num_blocks, threshold, budget, prefix_caching):
     host_blocks = 16
     blocks = KVBlockManager(num_blocks, BLOCK, host_blocks, watermark=0.05, enable_prefix_caching=prefix_caching)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, swap_threshold_tokens=threshold),
-                      blocks)
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, swap_threshold_tokens=threshold), blocks
+    )
     live: list[Request] = []
     for i, op in enumerate(ops):
         if op[0] == "submit":
@@ -91,8 +102,10 @@ def test_scheduling_drains_everything_under_pressure():
     """A long run of mixed priorities through a tiny cache finishes every request and returns every block."""
     blocks = KVBlockManager(16, BLOCK, 8, watermark=0.0)
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, swap_threshold_tokens=8), blocks)
-    reqs = [Request(f"r{i}", list(range(i, i + 10 + i % 7)), SamplingParams(max_tokens=12), priority=i % 3)
-            for i in range(20)]
+    reqs = [
+        Request(f"r{i}", list(range(i, i + 10 + i % 7)), SamplingParams(max_tokens=12), priority=i % 3)
+        for i in range(20)
+    ]
     for req in reqs:
         sched.add(req)
     for step in range(2000):
@@ -132,8 +145,7 @@ def test_free_blocks_are_taken_unused_first_then_never_used_then_least_recently_
     assert blocks.num_free_blocks == 6 and blocks.ref_counts == [] and blocks.usage() == 0.0
     cached = Request("cached", list(range(2 * BLOCK)), SamplingParams(max_tokens=1))
     blocks.admit(cached, [], 2 * BLOCK)
-    cached.num_computed_tokens = 2 * BLOCK
-    blocks.cache_full_blocks(cached)
+    blocks.mark_computed(cached, 2 * BLOCK)
     scratch = Request("scratch", list(range(100, 100 + BLOCK - 1)), SamplingParams(max_tokens=1))
     blocks.admit(scratch, [], BLOCK - 1)
     assert (cached.block_table, scratch.block_table) == ([0, 1], [2])

@@ -1,4 +1,5 @@
 """Greedy output equals transformers' generate, whatever the scheduling: alone, batched, chunked, cached, preempted."""
+
 from __future__ import annotations
 
 import random
@@ -64,8 +65,14 @@ def test_preemption(checkpoint, swap_threshold):
     path, reference = checkpoint
     # 8 KiB blocks (2 layers x 2 KV heads x 16 dims x fp32 x 16 tokens x K,V): 12 blocks for 8 requests of 5 each
     kv_block_bytes = 2 * 2 * 2 * 16 * 4 * 16 * (2 if "qwen3" in str(path) else 1)
-    llm = LLM(str(path), skip_tokenizer_init=True, kv_cache_gib=12 * kv_block_bytes / (1 << 30), watermark=0.0,
-              swap_threshold_tokens=swap_threshold, swap_space_gib=SMALL_KV["swap_space_gib"])
+    llm = LLM(
+        str(path),
+        skip_tokenizer_init=True,
+        kv_cache_gib=12 * kv_block_bytes / (1 << 30),
+        watermark=0.0,
+        swap_threshold_tokens=swap_threshold,
+        swap_space_gib=SMALL_KV["swap_space_gib"],
+    )
     prompts = random_prompts(8, 20, 40, seed=4)
     seen = []
     original_preempt = llm.engine.scheduler._preempt

@@ -1,4 +1,5 @@
 """The engine's two front doors: cancellation in every state, the async stream, sampling through real steps."""
+
 from __future__ import annotations
 
 import asyncio
@@ -8,8 +9,8 @@ import pytest
 
 from tests.checkpoints import SMALL_KV, make_checkpoint
 from tokenfleet import LLM, SamplingParams
-from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.async_engine import AsyncEngine
+from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.engine import Engine
 from tokenfleet.engine.request import RequestStatus
 
@@ -70,11 +71,15 @@ def test_seeded_sampling_same_alone_and_in_batch(llama_dir):
     llm = LLM(str(llama_dir), skip_tokenizer_init=True, max_num_batched_tokens=64, **SMALL_KV)
     seeded = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
     alone = llm.generate({"prompt_token_ids": ids(30)}, seeded)[0].token_ids
-    others = [SamplingParams(max_tokens=25, temperature=1.0, ignore_eos=True),
-              SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
-              SamplingParams(max_tokens=30, temperature=0.7, seed=7, ignore_eos=True)]
-    batch = llm.generate([{"prompt_token_ids": ids(n, s)} for n, s in ((50, 3), (70, 4), (30, 10), (90, 5))],
-                         [others[0], others[1], seeded, others[2]])
+    others = [
+        SamplingParams(max_tokens=25, temperature=1.0, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=30, temperature=0.7, seed=7, ignore_eos=True),
+    ]
+    batch = llm.generate(
+        [{"prompt_token_ids": ids(n, s)} for n, s in ((50, 3), (70, 4), (30, 10), (90, 5))],
+        [others[0], others[1], seeded, others[2]],
+    )
     assert batch[2].token_ids == alone
     again = llm.generate({"prompt_token_ids": ids(30)}, SamplingParams(**{**seeded.__dict__, "seed": 99}))[0]
     assert again.token_ids != alone
@@ -82,18 +87,24 @@ def test_seeded_sampling_same_alone_and_in_batch(llama_dir):
 
 def test_stop_token_ids_min_tokens_and_logprobs(llama_dir):
     llm = LLM(str(llama_dir), skip_tokenizer_init=True, **SMALL_KV)
-    free = llm.generate({"prompt_token_ids": ids(12)}, SamplingParams(max_tokens=12, temperature=0.0,
-                                                                      ignore_eos=True))[0].token_ids
+    free = llm.generate({"prompt_token_ids": ids(12)}, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[
+        0
+    ].token_ids
     stop_at = free[5]
     first = free.index(stop_at)
-    out = llm.generate({"prompt_token_ids": ids(12)},
-                       SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_at], ignore_eos=True))[0]
-    assert out.token_ids == free[:first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_at
-    delayed = llm.generate({"prompt_token_ids": ids(12)}, SamplingParams(
-        max_tokens=12, temperature=0.0, stop_token_ids=[free[0]], min_tokens=3, ignore_eos=True))[0]
+    out = llm.generate(
+        {"prompt_token_ids": ids(12)},
+        SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_at], ignore_eos=True),
+    )[0]
+    assert out.token_ids == free[: first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_at
+    delayed = llm.generate(
+        {"prompt_token_ids": ids(12)},
+        SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[free[0]], min_tokens=3, ignore_eos=True),
+    )[0]
     assert len(delayed.token_ids) >= 3 and free[0] not in delayed.token_ids[:3]
-    with_lp = llm.generate({"prompt_token_ids": ids(12)},
-                           SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True))[0]
+    with_lp = llm.generate(
+        {"prompt_token_ids": ids(12)}, SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True)
+    )[0]
     assert len(with_lp.logprobs) == 4
     for token, lp in zip(with_lp.token_ids, with_lp.logprobs):
         assert lp.token_id == token and len(lp.top) == 3 and lp.top[0][0] == token  # greedy = most likely
@@ -106,17 +117,22 @@ def test_stop_strings_and_text(demo_model_dir):
     full = llm.generate("The list of", greedy)[0]
     assert full.text == llm.tokenizer.decode(full.token_ids)
     cut = full.text[3:7]
-    stopped = llm.generate("The list of", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
-                                                          stop=[cut]))[0]
+    stopped = llm.generate("The list of", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[cut]))[
+        0
+    ]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == cut
-    assert stopped.text == full.text[:full.text.index(cut)]
+    assert stopped.text == full.text[: full.text.index(cut)]
 
 
 def test_detokenize_off_gives_the_same_tokens_without_text(demo_model_dir):
     llm = LLM(str(demo_model_dir), **SMALL_KV)
-    with_text, ids_only = llm.generate(["The list of"] * 2, [
-        SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
-        SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, detokenize=False)])
+    with_text, ids_only = llm.generate(
+        ["The list of"] * 2,
+        [
+            SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+            SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, detokenize=False),
+        ],
+    )
     assert ids_only.token_ids == with_text.token_ids and with_text.text and ids_only.text == ""
     with pytest.raises(ValueError, match="detokenize"):
         SamplingParams(stop=["x"], detokenize=False)

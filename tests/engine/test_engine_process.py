@@ -1,5 +1,6 @@
 """The engine in a process of its own (what the servers run): the same outputs as in this process, cancellation
 frees blocks, bad requests and a dead engine process are errors, never hangs."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,10 +32,12 @@ async def stream(engine, prompt, params):
 
 
 def test_same_tokens_text_and_logprobs_as_the_engine_in_this_process(engine, demo_model_dir):
-    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2),
-              SamplingParams(max_tokens=30, temperature=0.8, seed=7, ignore_eos=True),
-              SamplingParams(max_tokens=20, temperature=0.0, stop=["e"]),
-              SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)]
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=30, temperature=0.8, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.0, stop=["e"]),
+        SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+    ]
     expected = LLM(str(demo_model_dir), **SMALL_KV).generate(PROMPTS, params)
 
     async def run_all():

@@ -1,4 +1,5 @@
 """Sampler: greedy, seeded reproducibility, distributions, truncation, penalties, min_tokens, logprobs."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -47,9 +48,13 @@ def test_greedy_is_argmax(device: str) -> None:
 def test_greedy_rows_stay_argmax_next_to_other_rows() -> None:
     torch.manual_seed(0)
     logits = torch.randn(5, 100)
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
-              SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.7, top_p=0.5, seed=3),
-              SamplingParams(temperature=0.0)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=0.7, top_p=0.5, seed=3),
+        SamplingParams(temperature=0.0),
+    ]
     out = Sampler({EOS})(logits, [make(p) for p in params])
     expected = logits.argmax(dim=-1).tolist()
     assert [out.token_ids[i] for i in (0, 2, 4)] == [expected[i] for i in (0, 2, 4)]
@@ -58,9 +63,22 @@ def test_greedy_rows_stay_argmax_next_to_other_rows() -> None:
 def test_caller_logits_are_not_modified() -> None:
     logits = torch.randn(3, 50)
     before = logits.clone()
-    reqs = [make(SamplingParams(temperature=0.8, top_p=0.5, top_k=5, min_p=0.1, repetition_penalty=1.3,
-                                frequency_penalty=0.5, min_tokens=3, stop_token_ids=[4]), outputs=[5, 5])
-            for _ in range(3)]
+    reqs = [
+        make(
+            SamplingParams(
+                temperature=0.8,
+                top_p=0.5,
+                top_k=5,
+                min_p=0.1,
+                repetition_penalty=1.3,
+                frequency_penalty=0.5,
+                min_tokens=3,
+                stop_token_ids=[4],
+            ),
+            outputs=[5, 5],
+        )
+        for _ in range(3)
+    ]
     Sampler({EOS})(logits, reqs)
     assert torch.equal(logits, before)
 
@@ -69,8 +87,9 @@ def test_caller_logits_are_not_modified() -> None:
 def test_top_k_1_and_tiny_top_p_are_greedy(seed: int | None) -> None:
     torch.manual_seed(1)
     logits = torch.randn(8, 300)
-    params = [SamplingParams(temperature=1.0, top_k=1, seed=seed)] * 4 + \
-             [SamplingParams(temperature=1.5, top_p=1e-6, seed=seed)] * 4
+    params = [SamplingParams(temperature=1.0, top_k=1, seed=seed)] * 4 + [
+        SamplingParams(temperature=1.5, top_p=1e-6, seed=seed)
+    ] * 4
     out = Sampler({EOS})(logits, [make(p) for p in params])
     assert out.token_ids == logits.argmax(dim=-1).tolist()
 
@@ -96,10 +115,13 @@ def _fresh_targets() -> dict[int, Request]:
 
 
 def _other_rows() -> list[tuple[int, Request]]:
-    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0),
-              SamplingParams(temperature=0.5, top_p=0.8, seed=99),
-              SamplingParams(temperature=0.0, repetition_penalty=1.5, logprobs=3),
-              SamplingParams(temperature=0.9, top_k=3)]
+    params = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.5, top_p=0.8, seed=99),
+        SamplingParams(temperature=0.0, repetition_penalty=1.5, logprobs=3),
+        SamplingParams(temperature=0.9, top_k=3),
+    ]
     return [(key, make(p, name=f"o{key}")) for key, p in enumerate(params, start=1)]
 
 
@@ -149,15 +171,18 @@ def test_seeded_frequencies_match_softmax() -> None:
 PROBS = [0.4, 0.25, 0.15, 0.1, 0.06, 0.04]
 
 
-@pytest.mark.parametrize(("params", "allowed"), [
-    (dict(top_k=3), {0, 1, 2}),
-    (dict(top_p=0.6), {0, 1}),
-    (dict(top_p=0.7), {0, 1, 2}),
-    (dict(min_p=0.3), {0, 1, 2}),
-    (dict(min_p=0.5), {0, 1}),
-    (dict(top_k=3, top_p=0.7), {0, 1}),  # top_p works on the top_k-renormalized distribution
-    (dict(top_k=4, min_p=0.5), {0, 1}),
-])
+@pytest.mark.parametrize(
+    ("params", "allowed"),
+    [
+        (dict(top_k=3), {0, 1, 2}),
+        (dict(top_p=0.6), {0, 1}),
+        (dict(top_p=0.7), {0, 1, 2}),
+        (dict(min_p=0.3), {0, 1, 2}),
+        (dict(min_p=0.5), {0, 1}),
+        (dict(top_k=3, top_p=0.7), {0, 1}),  # top_p works on the top_k-renormalized distribution
+        (dict(top_k=4, min_p=0.5), {0, 1}),
+    ],
+)
 @pytest.mark.parametrize("seeded", [False, True])
 def test_truncation_never_picks_excluded_tokens(params: dict, allowed: set[int], seeded: bool) -> None:
     torch.manual_seed(7)
@@ -215,8 +240,11 @@ def test_penalties_match_reference(cached_prompts: bool) -> None:
         make(SamplingParams(frequency_penalty=0.7), prompt=[4, 5], outputs=[5, 6, 6, 6]),
         make(SamplingParams(presence_penalty=-0.4), prompt=[7], outputs=[8, 8, 9]),
         make(SamplingParams(), prompt=[1, 2], outputs=[1, 1]),
-        make(SamplingParams(repetition_penalty=0.8, frequency_penalty=0.3, presence_penalty=1.1),
-             prompt=[10, 11, 12, 12], outputs=[12, 13, 13, 10]),
+        make(
+            SamplingParams(repetition_penalty=0.8, frequency_penalty=0.3, presence_penalty=1.1),
+            prompt=[10, 11, 12, 12],
+            outputs=[12, 13, 13, 10],
+        ),
         make(SamplingParams(presence_penalty=1.0, repetition_penalty=1.2), prompt=[14, 15], outputs=[]),
     ]
     x = logits.clone()
@@ -231,9 +259,11 @@ def test_penalties_match_reference(cached_prompts: bool) -> None:
 
 def test_greedy_with_penalties_picks_the_reference_argmax() -> None:
     logits = torch.tensor([[5.0, 4.8, 1.0, 0.0], [5.0, 3.0, -1.0, 3.9], [-0.5, -0.6, -3.0, -4.0]])
-    reqs = [make(SamplingParams(temperature=0.0, repetition_penalty=1.1), prompt=[0]),
-            make(SamplingParams(temperature=0.0, frequency_penalty=0.6), prompt=[2], outputs=[0, 0]),
-            make(SamplingParams(temperature=0.0, repetition_penalty=1.5), prompt=[0])]
+    reqs = [
+        make(SamplingParams(temperature=0.0, repetition_penalty=1.1), prompt=[0]),
+        make(SamplingParams(temperature=0.0, frequency_penalty=0.6), prompt=[2], outputs=[0, 0]),
+        make(SamplingParams(temperature=0.0, repetition_penalty=1.5), prompt=[0]),
+    ]
     out = Sampler({EOS})(logits, reqs)
     assert out.token_ids == reference_penalties(logits, reqs).argmax(dim=-1).tolist() == [1, 3, 1]
 
@@ -277,10 +307,12 @@ def test_min_tokens_with_ignore_eos_masks_only_stop_tokens() -> None:
 def test_logprobs_come_from_raw_logits(device: str, dtype: torch.dtype) -> None:
     torch.manual_seed(2)
     logits = (torch.randn(4, 64) * 3).to(device=device, dtype=dtype)
-    reqs = [make(SamplingParams(temperature=0.7, top_p=0.8, repetition_penalty=1.4, logprobs=5), outputs=[1, 2]),
-            make(SamplingParams(temperature=0.0, logprobs=0, frequency_penalty=1.0), outputs=[3]),
-            make(SamplingParams(temperature=1.0)),
-            make(SamplingParams(temperature=0.0, logprobs=20, seed=4))]
+    reqs = [
+        make(SamplingParams(temperature=0.7, top_p=0.8, repetition_penalty=1.4, logprobs=5), outputs=[1, 2]),
+        make(SamplingParams(temperature=0.0, logprobs=0, frequency_penalty=1.0), outputs=[3]),
+        make(SamplingParams(temperature=1.0)),
+        make(SamplingParams(temperature=0.0, logprobs=20, seed=4)),
+    ]
     out = Sampler({EOS})(logits, reqs)
     raw = torch.log_softmax(logits.float().cpu(), dim=-1)
     assert out.logprobs[2] is None
@@ -300,9 +332,14 @@ def test_logprobs_come_from_raw_logits(device: str, dtype: torch.dtype) -> None:
 def test_bf16_logits(device: str) -> None:
     torch.manual_seed(9)
     logits = (torch.randn(6, 500) * 2).to(device=device, dtype=torch.bfloat16)
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, repetition_penalty=1.0, min_tokens=1),
-              SamplingParams(temperature=0.8, top_k=10, seed=1), SamplingParams(temperature=1.0, top_p=0.9),
-              SamplingParams(temperature=1.0, min_p=0.2, presence_penalty=0.5), SamplingParams(temperature=0.0)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, repetition_penalty=1.0, min_tokens=1),
+        SamplingParams(temperature=0.8, top_k=10, seed=1),
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=1.0, min_p=0.2, presence_penalty=0.5),
+        SamplingParams(temperature=0.0),
+    ]
     out = Sampler({EOS})(logits, [make(p, outputs=[4]) for p in params])
     expected = logits.float().argmax(dim=-1).tolist()
     assert [out.token_ids[i] for i in (0, 5)] == [expected[i] for i in (0, 5)]
@@ -319,9 +356,11 @@ def test_rejects_mismatched_batch() -> None:
 def test_large_vocab_seeded_top_p_is_reproducible() -> None:
     """Past the top_p candidate window (flat logits, big nucleus) seeded sampling still repeats exactly."""
     logits = torch.randn(3, 20000, generator=torch.Generator().manual_seed(0)) * 0.1
+
     def run() -> list[int]:
         reqs = [make(SamplingParams(temperature=1.0, top_p=0.95, seed=s)) for s in (1, 2, 3)]
         return Sampler({EOS})(logits, reqs).token_ids
+
     first = run()
     assert first == run()
     assert all(0 <= t < 20000 for t in first)

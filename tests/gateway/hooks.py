@@ -1,4 +1,5 @@
 """A safety hook for the tests: refuses any request whose body mentions 'forbidden'."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,5 +1,6 @@
 """The admin API over an SQLite store: the admin key guards everything, keys work until revoked, bad bodies are
 400s in the OpenAI error shape."""
+
 from __future__ import annotations
 
 import httpx
@@ -38,8 +39,14 @@ def assert_error(response: httpx.Response, status: int, *words: str) -> dict:
     return error
 
 
-ROUTES = [("POST", "/admin/v1/keys"), ("GET", "/admin/v1/keys"), ("DELETE", "/admin/v1/keys/key_x"),
-          ("POST", "/admin/v1/orgs"), ("GET", "/admin/v1/orgs"), ("PATCH", "/admin/v1/orgs/acme")]
+ROUTES = [
+    ("POST", "/admin/v1/keys"),
+    ("GET", "/admin/v1/keys"),
+    ("DELETE", "/admin/v1/keys/key_x"),
+    ("POST", "/admin/v1/orgs"),
+    ("GET", "/admin/v1/orgs"),
+    ("PATCH", "/admin/v1/orgs/acme"),
+]
 
 
 @pytest.mark.parametrize(("method", "path"), ROUTES)
@@ -49,16 +56,18 @@ async def test_admin_key_is_required(store, method, path):
         for wrong in ("Bearer nope", f"Basic {ADMIN_KEY}", ADMIN_KEY, f"Bearer {ADMIN_KEY}x", "Bearer ☃".encode()):
             assert_error(await client.request(method, path, json={}, headers={"authorization": wrong}), 401)
     async with client_for(store, admin_key=None) as client:
-        error = assert_error(await client.request(method, path, json={}, headers=AUTH), 403, "admin API disabled",
-                             "TOKENFLEET_ADMIN_KEY")
+        error = assert_error(
+            await client.request(method, path, json={}, headers=AUTH), 403, "admin API disabled", "TOKENFLEET_ADMIN_KEY"
+        )
         assert error["code"] == "admin_disabled"
 
 
 async def test_key_lifecycle(store):
     revoked_ids = []
     async with client_for(store, on_revoke=revoked_ids.append) as client:
-        created = await client.post("/admin/v1/keys", json={"org": "acme", "user": "alice", "tier": "paid"},
-                                    headers=AUTH)
+        created = await client.post(
+            "/admin/v1/keys", json={"org": "acme", "user": "alice", "tier": "paid"}, headers=AUTH
+        )
         assert created.status_code == 201 and created.headers["cache-control"] == "no-store"
         body = created.json()
         plaintext = body["key"]
@@ -83,22 +92,40 @@ async def test_key_lifecycle(store):
 
 async def test_org_lifecycle(store):
     async with client_for(store) as client:
-        created = await client.post("/admin/v1/orgs", headers=AUTH, json={
-            "name": "Acme", "id": "acme", "tier": "enterprise", "limits": {"tokens_per_minute": 5000},
-            "provisioned_share": 0.3})
+        created = await client.post(
+            "/admin/v1/orgs",
+            headers=AUTH,
+            json={
+                "name": "Acme",
+                "id": "acme",
+                "tier": "enterprise",
+                "limits": {"tokens_per_minute": 5000},
+                "provisioned_share": 0.3,
+            },
+        )
         assert created.status_code == 201, created.text
         org = created.json()
         assert org["id"] == "acme" and org["tier"] == "enterprise" and org["provisioned_share"] == 0.3
-        assert org["limits"] == {"requests_per_minute": None, "tokens_per_minute": 5000,
-                                 "concurrent_requests": None, "tokens_per_day": None}
-        patched = await client.patch("/admin/v1/orgs/acme", headers=AUTH, json={
-            "tier": "paid", "limits": {"requests_per_minute": 60}})
+        assert org["limits"] == {
+            "requests_per_minute": None,
+            "tokens_per_minute": 5000,
+            "concurrent_requests": None,
+            "tokens_per_day": None,
+        }
+        patched = await client.patch(
+            "/admin/v1/orgs/acme", headers=AUTH, json={"tier": "paid", "limits": {"requests_per_minute": 60}}
+        )
         assert patched.status_code == 200, patched.text
         assert patched.json()["tier"] == "paid" and patched.json()["provisioned_share"] == 0.3
         assert patched.json()["limits"]["requests_per_minute"] == 60  # merged: the others stay
         assert patched.json()["limits"]["tokens_per_minute"] == 5000
-        cleared = (await client.patch("/admin/v1/orgs/Acme", headers=AUTH, json={
-            "limits": {"tokens_per_minute": None}, "provisioned_share": None})).json()
+        cleared = (
+            await client.patch(
+                "/admin/v1/orgs/Acme",
+                headers=AUTH,
+                json={"limits": {"tokens_per_minute": None}, "provisioned_share": None},
+            )
+        ).json()
         assert cleared["limits"]["tokens_per_minute"] is None and cleared["provisioned_share"] is None
         listed = (await client.get("/admin/v1/orgs", headers=AUTH)).json()["data"]
         assert [o["id"] for o in listed] == ["acme"] and listed[0] == cleared

@@ -1,6 +1,7 @@
 """Admission inside one gateway, in process (ASGI): the tier's priority class reaches the replica whatever the
 client sends, a quota outage is answered as each tier's policy says (503 or a local limiter, never a 500 or a
 hang), and every reservation is reconciled with what the request used — finished, refused or failed."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,13 +10,13 @@ import time
 import httpx
 
 from tests.gateway.inprocess import inprocess_gateway, multi_model_gateway
-from tokenfleet.dispatch.overload import OverloadSettings
-from tokenfleet.router.settings import RoutingSettings, Shadow
 from tokenfleet.config import default_tiers
+from tokenfleet.dispatch.overload import OverloadSettings
 from tokenfleet.gateway.app import Gateway, create_gateway_app
 from tokenfleet.quota.failover import FailoverQuota
 from tokenfleet.quota.memory import MemoryQuota
 from tokenfleet.quota.redis import RedisQuota
+from tokenfleet.router.settings import RoutingSettings, Shadow
 
 
 class RecordingUpstream:
@@ -32,11 +33,17 @@ class RecordingUpstream:
         if self.fail:
             raise ConnectionError("replica died")
         for i in range(self.count):
-            yield {"id": "x", "object": "chat.completion.chunk", "choices": [
-                {"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": None}],
-                "usage": {"prompt_tokens": 5, "completion_tokens": i + 1, "total_tokens": 6 + i}}
-        yield {"id": "x", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": self.count,
-                                                   "total_tokens": 5 + self.count}}
+            yield {
+                "id": "x",
+                "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": None}],
+                "usage": {"prompt_tokens": 5, "completion_tokens": i + 1, "total_tokens": 6 + i},
+            }
+        yield {
+            "id": "x",
+            "choices": [],
+            "usage": {"prompt_tokens": 5, "completion_tokens": self.count, "total_tokens": 5 + self.count},
+        }
 
     async def load(self) -> dict:
         return {"queued_prefill_tokens": 0}
@@ -49,29 +56,39 @@ def gateway(demo_model_dir, quota, tier: str, upstream=None) -> Gateway:
 async def post(gw: Gateway, **extra) -> httpx.Response:
     transport = httpx.ASGITransport(app=create_gateway_app(gw))
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
-        return await client.post("/v1/chat/completions", json={
-            "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, **extra})
+        return await client.post(
+            "/v1/chat/completions",
+            json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, **extra},
+        )
 
 
 def test_under_overload_free_requests_move_to_the_smaller_model_with_a_cap(demo_model_dir):
     async def scenario():
         big, small = RecordingUpstream(name="big-1"), RecordingUpstream(name="small-1")
-        gw = multi_model_gateway(demo_model_dir, {"big": [big], "small": [small]}, open_tier="free",
-                                 overload=OverloadSettings(free_model="small", free_max_tokens=2))
+        gw = multi_model_gateway(
+            demo_model_dir,
+            {"big": [big], "small": [small]},
+            open_tier="free",
+            overload=OverloadSettings(free_model="small", free_max_tokens=2),
+        )
         assert (await post(gw, model="big", max_tokens=50)).headers["x-tokenfleet-model"] == "big"
         gw.admission.ladder.level = 2  # step 2 of the ladder
         moved = await post(gw, model="big", max_tokens=50)
         assert moved.status_code == 200 and moved.headers["x-tokenfleet-model"] == "small"
         assert small.bodies[-1]["model"] == "small" and small.bodies[-1]["max_tokens"] == 2
         assert len(big.bodies) == 1
+
     asyncio.run(scenario())
 
 
 def test_shadow_traffic_copies_the_prompt_and_records_the_candidates_latency(demo_model_dir):
     async def scenario():
         primary, candidate = RecordingUpstream(name="p"), RecordingUpstream(name="c")
-        gw = multi_model_gateway(demo_model_dir, {"tiny": [primary], "next": [candidate]},
-                                 routing=RoutingSettings(shadow=[Shadow("tiny", "next", 100)]))
+        gw = multi_model_gateway(
+            demo_model_dir,
+            {"tiny": [primary], "next": [candidate]},
+            routing=RoutingSettings(shadow=[Shadow("tiny", "next", 100)]),
+        )
         response = await post(gw)
         assert response.json()["choices"][0]["message"]["content"] == "t0t1t2", "the primary answers"
         for _ in range(100):
@@ -81,6 +98,7 @@ def test_shadow_traffic_copies_the_prompt_and_records_the_candidates_latency(dem
         assert candidate.bodies[0]["model"] == "next"
         assert candidate.bodies[0]["messages"] == primary.bodies[0]["messages"]
         assert b'tokenfleet_shadow_latency_seconds_count{model="next",what="ttft"} 1.0' in gw.render_metrics()
+
     asyncio.run(scenario())
 
 
@@ -91,6 +109,7 @@ def test_the_tier_sets_the_engine_priority_not_the_client(demo_model_dir):
         response = await post(gw, priority=-100)
         assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] == "t0t1t2"
         assert upstream.bodies[0]["priority"] == default_tiers()["free"].priority
+
     asyncio.run(scenario())
 
 
@@ -115,6 +134,7 @@ def test_a_quota_outage_fails_closed_or_open_by_tier(demo_model_dir):
 def test_every_ending_reconciles_the_reservation(demo_model_dir):
     """What the request used goes back to the quota: its tokens when it finished, nothing when the replica
     failed before producing any, and no slot or concurrency lease is left behind either way."""
+
     async def scenario():
         quota = MemoryQuota()
         reconciled = []
@@ -137,4 +157,5 @@ def test_every_ending_reconciles_the_reservation(demo_model_dir):
         assert reconciled == [(prompt + 3, 5 + 3), (prompt + 3, 0)]
         for gw in (ok, failing):
             assert gw.admission.dispatchers["tiny"].snapshot().in_use == 0
+
     asyncio.run(scenario())

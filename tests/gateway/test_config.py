@@ -1,4 +1,5 @@
 """fleet.yaml: the shipped example stays valid; mistakes are named."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,21 +27,31 @@ def test_unknown_settings_are_named(tmp_path):
         FleetConfig.load(path)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("tiers: {free: {priority: 1, weight: 2, user_limits: {tokens_per_minute: -5}}}",
-     "tiers.free.user_limits: tokens_per_minute must be between 0"),
-    ("tiers: {free: {priority: 1, weight: 2, user_limits: {tokens_per_minute: 1000000000000000}}}",
-     "tokens_per_minute must be between 0"),
-    ("tiers: {free: {priority: 1, weight: 0}}", "tiers.free: weight must be at least 1"),
-    ("tiers: {gold: {priority: 0, weight: 3, on_quota_outage: maybe}}", "on_quota_outage must be open or closed"),
-    ("tiers: {free: {priority: 1, weight: 2, user_limits: {tpm: 5}}}", "unknown limit.*tpm"),
-    ("tiers: {free: {priority: 1, weight: 2, user_limits: {tokens_per_minute: lots}}}", "whole number"),
-    ("quota: {backend: etcd}", "quota: backend must be auto, redis or memory"),
-    ("quota: {hot_tenants: {acme: 0}}", "hot_tenants"),
-    ("dispatch: {slots_per_replica: 0}", "dispatch: slots_per_replica"),
-    ("overload: {thresholds: [1.0, 0.5, 2.0, 3.0]}", "overload: thresholds must be positive and strictly increasing"),
-    ("overload: {free_tiers: [gratis]}", "overload names tier 'gratis'"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            "tiers: {free: {priority: 1, weight: 2, user_limits: {tokens_per_minute: -5}}}",
+            "tiers.free.user_limits: tokens_per_minute must be between 0",
+        ),
+        (
+            "tiers: {free: {priority: 1, weight: 2, user_limits: {tokens_per_minute: 1000000000000000}}}",
+            "tokens_per_minute must be between 0",
+        ),
+        ("tiers: {free: {priority: 1, weight: 0}}", "tiers.free: weight must be at least 1"),
+        ("tiers: {gold: {priority: 0, weight: 3, on_quota_outage: maybe}}", "on_quota_outage must be open or closed"),
+        ("tiers: {free: {priority: 1, weight: 2, user_limits: {tpm: 5}}}", "unknown limit.*tpm"),
+        ("tiers: {free: {priority: 1, weight: 2, user_limits: {tokens_per_minute: lots}}}", "whole number"),
+        ("quota: {backend: etcd}", "quota: backend must be auto, redis or memory"),
+        ("quota: {hot_tenants: {acme: 0}}", "hot_tenants"),
+        ("dispatch: {slots_per_replica: 0}", "dispatch: slots_per_replica"),
+        (
+            "overload: {thresholds: [1.0, 0.5, 2.0, 3.0]}",
+            "overload: thresholds must be positive and strictly increasing",
+        ),
+        ("overload: {free_tiers: [gratis]}", "overload names tier 'gratis'"),
+    ],
+)
 def test_bad_tenancy_settings_are_clear_start_up_errors(tmp_path, text, message):
     path = tmp_path / "fleet.yaml"
     path.write_text(f"model_name: m\nmodel_path: /x\n{text}\n")
@@ -50,8 +61,10 @@ def test_bad_tenancy_settings_are_clear_start_up_errors(tmp_path, text, message)
 
 def test_tiers_override_defaults_and_add_new_ones(tmp_path):
     path = tmp_path / "fleet.yaml"
-    path.write_text("model_name: m\nmodel_path: /x\ntiers:\n  free: {priority: 1, weight: 3, "
-                    "user_limits: {tokens_per_minute: 500}}\n  gold: {priority: 0, weight: 6}\n")
+    path.write_text(
+        "model_name: m\nmodel_path: /x\ntiers:\n  free: {priority: 1, weight: 3, "
+        "user_limits: {tokens_per_minute: 500}}\n  gold: {priority: 0, weight: 6}\n"
+    )
     tiers = FleetConfig.load(path).tiers
     assert tiers["free"].weight == 3 and tiers["free"].user_limits.tokens_per_minute == 500
     assert tiers["free"].user_limits.requests_per_minute is None, "a tier given replaces the default whole"

@@ -1,4 +1,5 @@
 """Gateway and replicas as separate processes, streams kept in the real Redis; drain on SIGTERM."""
+
 from __future__ import annotations
 
 import json
@@ -17,23 +18,35 @@ from tests.servers import free_port, running_process
 
 def test_sdk_through_the_gateway_spreads_over_replicas(fleet):
     client = openai.OpenAI(base_url=f"{fleet.base}/v1", api_key=fleet.keys["paid"], max_retries=0)
-    streams = [client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"Hi {i}"}],
-                                              max_tokens=30, temperature=0, stream=True,
-                                              extra_body={"ignore_eos": True}) for i in range(4)]
+    streams = [
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Hi {i}"}],
+            max_tokens=30,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        for i in range(4)
+    ]
     texts = ["".join(c.choices[0].delta.content or "" for c in s if c.choices) for s in streams]
     assert all(texts)
     served = [httpx.get(f"{r}/metrics").text for r in fleet.replicas]
-    counts = [sum(float(line.split()[-1]) for line in m.splitlines()
-                  if line.startswith("vllm:request_success_total")) for m in served]
+    counts = [
+        sum(float(line.split()[-1]) for line in m.splitlines() if line.startswith("vllm:request_success_total"))
+        for m in served
+    ]
     assert all(c >= 1 for c in counts), f"requests were not spread over the replicas: {counts}"
-    reply = client.completions.create(model=MODEL, prompt="The list", max_tokens=4, temperature=0,
-                                      extra_body={"ignore_eos": True})
+    reply = client.completions.create(
+        model=MODEL, prompt="The list", max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert reply.usage.completion_tokens == 4
 
 
 def test_resume_from_redis(fleet):
-    with httpx.stream("POST", f"{fleet.base}/v1/chat/completions", json=stream_body(60),
-                      headers=fleet.auth("paid")) as response:
+    with httpx.stream(
+        "POST", f"{fleet.base}/v1/chat/completions", json=stream_body(60), headers=fleet.auth("paid")
+    ) as response:
         request_id = response.headers["x-request-id"]
         first = []
         for line in response.iter_lines():
@@ -42,9 +55,13 @@ def test_resume_from_redis(fleet):
                 break
     seen = parse_events(first)
     assert redis.Redis(host="127.0.0.1", port=6379).exists(fleet.prefix + "stream:" + request_id)
-    resumed = parse_events(httpx.get(f"{fleet.base}/v1/requests/{request_id}/stream", timeout=30,
-                                     headers={"Last-Event-ID": str(seen[-1][0]), **fleet.auth("paid")}
-                                     ).text.splitlines())
+    resumed = parse_events(
+        httpx.get(
+            f"{fleet.base}/v1/requests/{request_id}/stream",
+            timeout=30,
+            headers={"Last-Event-ID": str(seen[-1][0]), **fleet.auth("paid")},
+        ).text.splitlines()
+    )
     ids = [i for i, _ in seen + resumed]
     assert ids == list(range(1, len(ids) + 1)) and resumed[-1][1] == "[DONE]"
     chunks = [json.loads(d) for _, d in seen + resumed if d != "[DONE]"]
@@ -88,10 +105,12 @@ def test_gateway_drains_on_sigterm(fleet, tmp_path):
     config.update({"port": port, "drain_timeout_s": 20})
     (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(config))
     base = f"http://127.0.0.1:{port}"
-    with running_process(["gateway", "--config", str(tmp_path / "fleet.yaml")], f"{base}/health",
-                         tmp_path / "gateway.log") as proc:
-        with httpx.stream("POST", f"{base}/v1/chat/completions", json=stream_body(300),
-                          headers=fleet.auth("paid"), timeout=60) as response:
+    with running_process(
+        ["gateway", "--config", str(tmp_path / "fleet.yaml")], f"{base}/health", tmp_path / "gateway.log"
+    ) as proc:
+        with httpx.stream(
+            "POST", f"{base}/v1/chat/completions", json=stream_body(300), headers=fleet.auth("paid"), timeout=60
+        ) as response:
             lines = response.iter_lines()
             first = [next(lines)]
             proc.send_signal(signal.SIGTERM)

@@ -1,6 +1,7 @@
 """The plain-ASGI front of the gateway app, in process: the completion routes it serves itself answer like the
 FastAPI routes did (streams, JSON, OpenAI-shaped errors, 405 for a wrong method), and every /v1/ request is counted
 by endpoint and status, whoever served it."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +16,12 @@ from tokenfleet.gateway.app import create_gateway_app
 
 def requests_counted(gateway) -> dict[tuple[str, str], float]:
     text = gateway.render_metrics().decode()
-    return {(endpoint, status): float(value) for endpoint, status, value in re.findall(
-        r'tokenfleet_gateway_requests_total\{endpoint="([^"]*)",status="(\d+)"\} (\S+)', text)}
+    return {
+        (endpoint, status): float(value)
+        for endpoint, status, value in re.findall(
+            r'tokenfleet_gateway_requests_total\{endpoint="([^"]*)",status="(\d+)"\} (\S+)', text
+        )
+    }
 
 
 def test_completion_routes_answer_and_every_v1_request_is_counted(demo_model_dir):
@@ -46,7 +51,14 @@ def test_completion_routes_answer_and_every_v1_request_is_counted(demo_model_dir
         assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
         assert models.status_code == 200 and missing.status_code == 404 and health.status_code == 200
         assert requests_counted(gateway) == {
-            ("/v1/chat/completions", "200"): 2, ("/v1/generate", "200"): 1, ("/v1/completions", "200"): 1,
-            ("/v1/chat/completions", "404"): 1, ("/v1/completions", "400"): 1, ("/v1/chat/completions", "405"): 1,
-            ("/v1/models", "200"): 1, ("unknown", "404"): 1}  # /health is not an API request: not counted
+            ("/v1/chat/completions", "200"): 2,
+            ("/v1/generate", "200"): 1,
+            ("/v1/completions", "200"): 1,
+            ("/v1/chat/completions", "404"): 1,
+            ("/v1/completions", "400"): 1,
+            ("/v1/chat/completions", "405"): 1,
+            ("/v1/models", "200"): 1,
+            ("unknown", "404"): 1,
+        }  # /health is not an API request: not counted
+
     asyncio.run(scenario())

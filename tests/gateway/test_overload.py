@@ -1,6 +1,7 @@
 """The degradation ladder under a synthetic overload, end to end: one slot, a slow projected prefill rate, paid
 streams queueing up. The ladder climbs one step at a time in the fixed order (batch paused, free capped, free
 shed, paid queued), the openai SDK gets 429s it retries, and everything steps back down when the load is gone."""
+
 from __future__ import annotations
 
 import re
@@ -13,9 +14,11 @@ import pytest
 from tests.gateway.conftest import ADMIN_KEY, MODEL, Platform, serving_with_auth
 from tests.servers import metric
 
-OVERLOAD = {"admin_key": ADMIN_KEY,
-            "dispatch": {"slots_per_replica": 1, "load_interval_s": 0.1, "prefill_tokens_per_s": 100},
-            "overload": {"ttft_target_s": 1.0, "cool_down_s": 0.3, "shed_retry_after_s": 1, "free_max_tokens": 8}}
+OVERLOAD = {
+    "admin_key": ADMIN_KEY,
+    "dispatch": {"slots_per_replica": 1, "load_interval_s": 0.1, "prefill_tokens_per_s": 100},
+    "overload": {"ttft_target_s": 1.0, "cool_down_s": 0.3, "shed_retry_after_s": 1, "free_max_tokens": 8},
+}
 
 
 @pytest.fixture(scope="module")
@@ -26,13 +29,17 @@ def crowded(demo_model_dir, tmp_path_factory):
 
 
 def client(platform: Platform, tier: str, retries: int = 0) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{platform.base}/v1", api_key=platform.keys[tier], max_retries=retries,
-                         timeout=120)
+    return openai.OpenAI(base_url=f"{platform.base}/v1", api_key=platform.keys[tier], max_retries=retries, timeout=120)
 
 
 def ask(c: openai.OpenAI, max_tokens: int):
-    return c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Go on"}],
-                                     max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})
+    return c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Go on"}],
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
 
 
 def wait_for_level(platform: Platform, level: int, timeout: float = 30.0) -> None:

@@ -1,4 +1,5 @@
 """The gateway's relay and SSE response in process: heartbeats, slow readers cut off and resuming, the buffers."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,8 +10,8 @@ from dataclasses import replace
 import pytest
 import redis.asyncio as redis
 
-from tokenfleet.api.errors import APIError
 from tests.gateway.inprocess import MODEL, inprocess_gateway
+from tokenfleet.api.errors import APIError
 from tokenfleet.config import default_tiers
 from tokenfleet.gateway.auth import Caller
 from tokenfleet.gateway.formats import OpenAIFormat
@@ -31,8 +32,11 @@ class FakeUpstream:
     async def stream(self, kind: str, body: dict):
         for i in range(self.count):
             await asyncio.sleep(self.delay)
-            yield {"id": "x", "object": "chat.completion.chunk", "choices": [
-                {"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}]}
+            yield {
+                "id": "x",
+                "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}],
+            }
         yield {"id": "x", "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": self.count}}
 
     async def load(self) -> dict:
@@ -60,8 +64,9 @@ def make_gateway(model_dir, upstream, buffer=None, **settings) -> Gateway:
 
 
 async def start(gateway: Gateway, include_usage: bool = False):
-    p = gateway.prepare("chat", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]},
-                        gateway.auth.open_caller)
+    p = await gateway.prepare(
+        "chat", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}, gateway.auth.open_caller
+    )
     return await gateway.start_relay(p, OpenAIFormat(p.request_id, include_usage))
 
 
@@ -72,6 +77,7 @@ def test_heartbeats_while_the_stream_is_idle(demo_model_dir):
         body = b"".join(await run_response(gateway.sse(relay.request_id, 0))).decode()
         assert body.count(": ping\n\n") >= 6
         assert body.rstrip().endswith("data: [DONE]")
+
     asyncio.run(scenario())
 
 
@@ -91,6 +97,7 @@ def test_slow_reader_is_cut_off_and_resumes_everything(demo_model_dir):
         ids = got + [e.id for e in resumed]
         assert ids == list(range(1, relay.last_id + 1))
         assert resumed[-1].data == "[DONE]" and json.loads(resumed[-2].data)["usage"]["completion_tokens"] == 60
+
     asyncio.run(scenario())
 
 
@@ -108,6 +115,7 @@ def test_cancel_stops_generation_and_closes_the_stream(demo_model_dir):
         await relay.finished.wait()
         events = [e async for e in gateway.buffer.read(relay.request_id, 0)]
         assert events[-1].data == "[DONE]" and len(events) < 100
+
     asyncio.run(scenario())
 
 
@@ -130,8 +138,9 @@ def redis_buffer():
 def test_buffers_replay_after_an_id_then_follow_live(backend, redis_buffer):
     async def scenario():
         client = redis.Redis(host="127.0.0.1", port=6379) if backend == "redis" else None
-        buffer = (RedisResumeBuffer(client, redis_buffer, ttl_s=60, block_ms=50) if client
-                  else MemoryResumeBuffer(ttl_s=60))
+        buffer = (
+            RedisResumeBuffer(client, redis_buffer, ttl_s=60, block_ms=50) if client else MemoryResumeBuffer(ttl_s=60)
+        )
         await buffer.open("r1", owner="org_a")
         for i in range(1, 4):
             await buffer.append("r1", StreamEvent(i, f"e{i}"))
@@ -150,6 +159,7 @@ def test_buffers_replay_after_an_id_then_follow_live(backend, redis_buffer):
         if client is not None:
             assert 0 < await client.ttl(redis_buffer + "r1") <= 60
             await client.aclose()
+
     asyncio.run(scenario())
 
 
@@ -165,4 +175,5 @@ def test_memory_buffer_expires_streams_by_their_last_touch():
         assert await buffer.owner("early") == "org_a"
         await buffer.close("early")
         assert [e.id async for e in buffer.read("early", 0)] == [1]
+
     asyncio.run(scenario())

@@ -1,11 +1,14 @@
 """`tokenfleet serve` as a real process: the openai SDK, raw SSE (ids, headers), resume, cancel, disconnects."""
+
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
 import pytest
+import yaml
 
 from tests.servers import abandon_stream, free_port, metric, running_process, wait_idle
 
@@ -17,10 +20,27 @@ def server(demo_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    args = ["serve", "--model", str(demo_model_dir), "--port", str(port), "--served-model-name", MODEL,
-            "--kv-cache-gib", "0.05", "--swap-space-gib", "0.01", "--max-model-len", "2048",
-            "--disconnect-grace", "0.5", "--safety-hook", "tests.gateway.hooks:refuse_forbidden",
-            "--database-url", f"sqlite:///{logs / 'serve.db'}"]
+    args = [
+        "serve",
+        "--model",
+        str(demo_model_dir),
+        "--port",
+        str(port),
+        "--served-model-name",
+        MODEL,
+        "--kv-cache-gib",
+        "0.05",
+        "--swap-space-gib",
+        "0.01",
+        "--max-model-len",
+        "2048",
+        "--disconnect-grace",
+        "0.5",
+        "--safety-hook",
+        "tests.gateway.hooks:refuse_forbidden",
+        "--database-url",
+        f"sqlite:///{logs / 'serve.db'}",
+    ]
     with running_process(args, f"{base}/health", logs / "serve.log"):
         yield base
 
@@ -31,8 +51,15 @@ def client(server):
 
 
 def stream_body(max_tokens: int = 12, **extra) -> dict:
-    return {"model": MODEL, "messages": [{"role": "user", "content": "Tell me"}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True, **extra}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me"}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        **extra,
+    }
 
 
 def parse_events(lines: list[str]) -> list[tuple[int | None, str]]:
@@ -53,18 +80,32 @@ def text_of(events: list[tuple[int | None, str]]) -> str:
 
 
 def test_sdk_chat_and_completions(client):
-    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
-                                          temperature=0, extra_body={"ignore_eos": True})
+    resp = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert resp.usage.completion_tokens == 6 and resp.choices[0].finish_reason == "length"
-    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                                 max_tokens=6, temperature=0, stream=True, n=2,
-                                                 stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            n=2,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].choices == []
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == 0)
     assert streamed == resp.choices[0].message.content
-    text = client.completions.create(model=MODEL, prompt="The list", max_tokens=5, temperature=0,
-                                     extra_body={"ignore_eos": True})
+    text = client.completions.create(
+        model=MODEL, prompt="The list", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert text.usage.completion_tokens == 5
 
 
@@ -93,8 +134,9 @@ def test_resume_with_last_event_id_gets_every_event_once(server):
             if len(parse_events(first)) == 3:
                 break
     seen = parse_events(first)
-    resumed_response = httpx.get(f"{server}/v1/requests/{request_id}/stream",
-                                 headers={"Last-Event-ID": str(seen[-1][0])})
+    resumed_response = httpx.get(
+        f"{server}/v1/requests/{request_id}/stream", headers={"Last-Event-ID": str(seen[-1][0])}
+    )
     assert resumed_response.status_code == 200
     resumed = parse_events(resumed_response.text.splitlines())
     ids = [i for i, _ in seen + resumed]
@@ -145,8 +187,13 @@ def test_bad_input_and_unknown_streams(server, client):
 
 
 def test_native_stream_format_and_resume(server):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me"}], "max_tokens": 9,
-            "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me"}],
+        "max_tokens": 9,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", f"{server}/v1/generate", json=body) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         request_id = response.headers["x-request-id"]
@@ -163,7 +210,53 @@ def test_native_stream_format_and_resume(server):
 
 def test_metrics_cover_gateway_and_replica(server):
     text = httpx.get(f"{server}/metrics").text
-    for name in ("tokenfleet_gateway_requests_total", "tokenfleet_gateway_stream_endings_total",
-                 "tokenfleet_gateway_active_relays", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+    for name in (
+        "tokenfleet_gateway_requests_total",
+        "tokenfleet_gateway_stream_endings_total",
+        "tokenfleet_gateway_active_relays",
+        "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc",
+    ):
         assert name in text, name
     assert 'endpoint="/v1/chat/completions",status="200"' in text
+
+
+def test_the_model_list_is_open_without_auth(server, client):
+    assert MODEL in {m.id for m in client.models.list()}
+    assert httpx.get(f"{server}/v1/models").status_code == 200, "no key needed when the server runs open"
+
+
+def test_the_fleet_file_sets_how_long_a_stream_can_be_resumed(demo_model_dir, tmp_path):
+    """`resume_ttl_s` of `tokenfleet serve --config` applies to the embedded resume buffer."""
+    (tmp_path / "fleet.yaml").write_text(yaml.safe_dump({"resume_ttl_s": 2}))
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    args = [
+        "serve",
+        "--model",
+        str(demo_model_dir),
+        "--port",
+        str(port),
+        "--served-model-name",
+        MODEL,
+        "--kv-cache-gib",
+        "0.05",
+        "--swap-space-gib",
+        "0.01",
+        "--max-model-len",
+        "512",
+        "--config",
+        str(tmp_path / "fleet.yaml"),
+        "--database-url",
+        f"sqlite:///{tmp_path / 'serve.db'}",
+    ]
+    with running_process(args, f"{base}/health", tmp_path / "serve.log"):
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=stream_body(4)) as response:
+            request_id = response.headers["x-request-id"]
+            events = parse_events(list(response.iter_lines()))
+        ended = time.monotonic()
+        replay = httpx.get(f"{base}/v1/requests/{request_id}/stream", headers={"Last-Event-ID": "0"})
+        assert replay.status_code == 200 and parse_events(replay.text.splitlines()) == events
+        time.sleep(max(0.0, ended + 3.0 - time.monotonic()))
+        expired = httpx.get(f"{base}/v1/requests/{request_id}/stream", headers={"Last-Event-ID": "0"})
+        assert expired.status_code == 404, "a stream that ended 3 s ago is past its 2 s resume TTL"

@@ -1,6 +1,7 @@
 """The SSE response on its own, driven like an ASGI server would: one task per stream (plus the idle disconnect
 watcher) whatever happens on it, heartbeats while idle, a send timeout and a lag limit for slow readers, and how it
 tells its owner the stream ended."""
+
 from __future__ import annotations
 
 import asyncio
@@ -35,8 +36,14 @@ class Client:
         return b"".join(self.bodies).decode()
 
 
-def respond(buffer: MemoryResumeBuffer, client: Client, endings: list, ping_s: float = 10.0,
-            send_timeout_s: float = 10.0, behind=None) -> asyncio.Task:
+def respond(
+    buffer: MemoryResumeBuffer,
+    client: Client,
+    endings: list,
+    ping_s: float = 10.0,
+    send_timeout_s: float = 10.0,
+    behind=None,
+) -> asyncio.Task:
     response = SSEResponse(buffer.follow("r", 0), {}, ping_s, send_timeout_s, endings.append, behind)
     return asyncio.create_task(response({"type": "http"}, client.receive, client.send))
 
@@ -48,6 +55,7 @@ def counting_tasks(loop: asyncio.AbstractEventLoop) -> list:
         task = asyncio.Task(coro, loop=loop, **kwargs)
         created.append(task)
         return task
+
     loop.set_task_factory(factory)
     return created
 
@@ -68,10 +76,12 @@ def test_one_task_streams_events_and_pings_and_completes():
         await asyncio.wait_for(task, 2)
         assert 3 <= pings <= 5, client.text
         assert [line for line in client.text.splitlines() if line.startswith("id: ")] == [
-            f"id: {i}" for i in range(1, 51)]
+            f"id: {i}" for i in range(1, 51)
+        ]
         assert client.bodies[-1] == b"", "the response ends with an empty last body"
         assert endings == ["complete"]
         assert len(created) == 2, "the response's own task and its disconnect watcher, nothing per event or ping"
+
     asyncio.run(scenario())
 
 
@@ -88,6 +98,7 @@ def test_pings_keep_coming_while_events_are_sparse():
         text = client.text
         assert text.count(": ping\n\n") >= 4 and "data: e3" in text and endings == ["complete"]
         assert ": ping\n\nid: 1\n" in text, "a ping while waiting for the first event"
+
     asyncio.run(scenario())
 
 
@@ -104,6 +115,7 @@ def test_a_reader_that_stops_reading_is_cut_off_after_the_send_timeout():
         assert endings == ["slow"] and len(client.bodies) == 2
         assert asyncio.get_running_loop().time() - started < 0.5
         assert not task.cancelled()
+
     asyncio.run(scenario())
 
 
@@ -123,6 +135,7 @@ def test_a_reader_too_far_behind_is_cut_off_at_the_lag_limit():
         await asyncio.wait_for(task, 2)
         assert endings == ["slow"]
         assert "data: e3" in client.text and "data: e4" not in client.text
+
     asyncio.run(scenario())
 
 
@@ -138,6 +151,7 @@ def test_a_disconnect_ends_an_idle_stream_at_once():
         assert endings == ["disconnect"] and not task.cancelled()
         assert task.cancelling() == 0, "the watcher's cancellation was consumed, not left pending"
         assert buffer._logs["r"].waiters == [], "nothing left waiting on the buffer"
+
     asyncio.run(scenario())
 
 
@@ -150,4 +164,5 @@ def test_cancelled_from_outside_it_stays_cancelled():
         task.cancel()  # the server shutting down, not the client leaving
         done, _ = await asyncio.wait({task}, timeout=1)
         assert done and task.cancelled() and endings == ["error"]
+
     asyncio.run(scenario())

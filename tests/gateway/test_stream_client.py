@@ -1,12 +1,13 @@
 """The gateway's HTTP/1.1 stream client against a real socket: a tiny asyncio HTTP server in the test writes chunked
 SSE the way a replica does, or misbehaves (stalls, hangs up mid-stream, answers an error, closes idle connections),
 and the failures must reach the router as the failure kinds it acts on."""
+
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -95,6 +96,7 @@ def test_streams_chunked_sse_and_reuses_the_connection():
         assert request["line"] == "POST /v1/chat/completions HTTP/1.1"
         assert request["headers"]["content-type"] == "application/json"
         assert request["body"]["stream"] is True and request["body"]["stream_options"]["include_usage"] is True
+
     asyncio.run(scenario())
 
 
@@ -116,6 +118,7 @@ def test_a_replica_that_goes_quiet_mid_stream_is_a_read_timeout():
         assert failed.value.status == 502 and failed.value.code == "upstream_error"
         assert isinstance(failed.value.__cause__, TIMEOUTS)
         assert _failure_kind(failed.value, streaming=True) == "timeout"
+
     asyncio.run(scenario())
 
 
@@ -128,12 +131,13 @@ def test_a_replica_that_never_answers_is_a_read_timeout():
             with pytest.raises(APIError) as failed:
                 await collect(HttpUpstream(replica.url, "r", read_timeout_s=0.2))
         assert _failure_kind(failed.value, streaming=False) == "timeout"
+
     asyncio.run(scenario())
 
 
 def test_a_connection_closed_mid_stream_is_a_broken_stream():
     async def hang_up(reader, writer, request):
-        writer.write(SSE_HEAD + chunk(event(0)) + b"40\r\ndata: {\"cho")  # then gone, mid-chunk
+        writer.write(SSE_HEAD + chunk(event(0)) + b'40\r\ndata: {"cho')  # then gone, mid-chunk
         await writer.drain()
         writer.close()
 
@@ -148,18 +152,27 @@ def test_a_connection_closed_mid_stream_is_a_broken_stream():
         assert isinstance(cause, TRANSPORT_ERRORS) and not isinstance(cause, TIMEOUTS)
         assert _failure_kind(failed.value, streaming=True) == "stream_broken"
         assert _failure_kind(failed.value, streaming=False) == "connect"  # had it closed before the first chunk
+
     asyncio.run(scenario())
 
 
 @pytest.mark.parametrize("status", [400, 429, 500])
 def test_an_error_status_is_the_replicas_answer(status):
-    error = {"error": {"message": "max_tokens is too large", "type": "invalid_request_error", "param": "max_tokens",
-                       "code": "bad_max"}}
+    error = {
+        "error": {
+            "message": "max_tokens is too large",
+            "type": "invalid_request_error",
+            "param": "max_tokens",
+            "code": "bad_max",
+        }
+    }
 
     async def refuse(reader, writer, request):
         body = json.dumps(error).encode()
-        writer.write(b"HTTP/1.1 %d Nope\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                     % (status, len(body), body))
+        writer.write(
+            b"HTTP/1.1 %d Nope\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+            % (status, len(body), body)
+        )
         await writer.drain()
 
     async def scenario():
@@ -168,13 +181,18 @@ def test_an_error_status_is_the_replicas_answer(status):
                 await collect(HttpUpstream(replica.url, "r"))
         e = failed.value
         if status < 500:  # the client's mistake, passed through as the replica said it
-            assert (e.status, e.message, e.type, e.param, e.code) == (status, "max_tokens is too large",
-                                                                       "invalid_request_error", "max_tokens",
-                                                                       "bad_max")
+            assert (e.status, e.message, e.type, e.param, e.code) == (
+                status,
+                "max_tokens is too large",
+                "invalid_request_error",
+                "max_tokens",
+                "bad_max",
+            )
             assert e.__cause__ is None
         else:
             assert e.status == 502 and e.code == "upstream_error" and "answered 500" in e.message
             assert _failure_kind(e, streaming=False) == "5xx"
+
     asyncio.run(scenario())
 
 
@@ -185,6 +203,7 @@ def test_no_replica_listening_is_a_connect_failure():
         with pytest.raises(APIError) as failed:
             await collect(HttpUpstream(url, "r"))
         assert _failure_kind(failed.value, streaming=False) == "connect"
+
     asyncio.run(scenario())
 
 
@@ -207,6 +226,7 @@ def test_a_reader_that_leaves_closes_the_replicas_connection():
             await stream.aclose()
             async with asyncio.timeout(5):
                 await replica.hung_up.wait()  # the replica learns at once: it would cancel the request
+
     replica = None
     asyncio.run(scenario())
 
@@ -233,4 +253,5 @@ def test_a_kept_alive_connection_the_server_closed_is_replaced(when):
             await asyncio.sleep(0.05)
             assert len(await collect(upstream)) == 1
         assert replica.connections == 2
+
     asyncio.run(scenario())

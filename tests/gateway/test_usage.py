@@ -1,6 +1,7 @@
 """Usage and billing end to end, embedded (SQLite, in-memory event log) and in a fleet (PostgreSQL, the Redis
 Stream): requests through the openai SDK, then their usage through /v1/usage (own organisation only), the admin
 usage and cost routes, and `tokenfleet usage`."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,9 @@ from tests.gateway.conftest import MODEL, PRICES, Platform
 
 
 def usage(platform: Platform, key: str, **params) -> dict:
-    response = httpx.get(f"{platform.base}/v1/usage", params=params, headers={"Authorization": f"Bearer {key}"},
-                         timeout=10)
+    response = httpx.get(
+        f"{platform.base}/v1/usage", params=params, headers={"Authorization": f"Bearer {key}"}, timeout=10
+    )
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -36,9 +38,16 @@ def test_each_request_is_metered_and_priced_for_its_own_organisation_only(platfo
     org = f"meter-{uuid.uuid4().hex[:8]}"
     key = platform.new_key(org, "mia", "paid")
     client = openai.OpenAI(base_url=f"{platform.base}/v1", api_key=key, max_retries=0)
-    answers = [client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"Hi {i}"}],
-                                              max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
-               for i in range(3)]
+    answers = [
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Hi {i}"}],
+            max_tokens=5,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        for i in range(3)
+    ]
     report = wait_for_requests(platform, key, 3)
     [line] = report["data"]
     assert line["requests"] == 3 and line["model"] == MODEL
@@ -58,9 +67,24 @@ def test_each_request_is_metered_and_priced_for_its_own_organisation_only(platfo
     assert unit["tier"] == "paid" and unit["output_tokens"] == 15 and unit["engine_s"] > 0
     assert unit["cost_per_million_output_usd"] == pytest.approx(unit["engine_s"] * 3.6 / 3600 / 15 * 1e6)
 
-    printed = subprocess.run([sys.executable, "-m", "tokenfleet", "usage", "--database-url", platform.database_url,
-                              "--org", org, "--by", "org,model", "--json"], capture_output=True, text=True,
-                             timeout=60)
+    printed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokenfleet",
+            "usage",
+            "--database-url",
+            platform.database_url,
+            "--org",
+            org,
+            "--by",
+            "org,model",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert printed.returncode == 0, printed.stderr
     [row] = json.loads(printed.stdout)
     assert (row["org"], row["requests"], row["output_tokens"]) == (line["org"], 3, 15)
@@ -72,5 +96,7 @@ def test_usage_rejects_bad_parameters_in_the_openai_error_shape(platform: Platfo
         response = httpx.get(f"{platform.base}/v1/usage", params=params, headers={"Authorization": f"Bearer {key}"})
         assert response.status_code == 400 and response.json()["error"]["param"] in ("group_by", "since")
     assert httpx.get(f"{platform.base}/v1/usage").status_code == 401
-    assert httpx.get(f"{platform.base}/admin/v1/usage", headers={"Authorization": f"Bearer {key}"}).status_code \
-        in (401, 403)
+    assert httpx.get(f"{platform.base}/admin/v1/usage", headers={"Authorization": f"Bearer {key}"}).status_code in (
+        401,
+        403,
+    )

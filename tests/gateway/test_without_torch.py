@@ -1,5 +1,6 @@
 """A fleet's gateway (and the simulator, keys and usage commands) never loads PyTorch: it holds no model, and
 importing PyTorch would cost each gateway process seconds of start-up and a couple of hundred MB."""
+
 from __future__ import annotations
 
 import subprocess
@@ -20,6 +21,7 @@ print("ok")
 
 
 def test_the_gateway_and_the_simulator_import_no_torch(demo_model_dir):
-    done = subprocess.run([sys.executable, "-c", CHECK, str(demo_model_dir)], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", CHECK, str(demo_model_dir)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

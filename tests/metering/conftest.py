@@ -1,9 +1,11 @@
 """Fixtures: SQL tests run on an SQLite file and on a throwaway PostgreSQL database (as in tests/store), each
 freshly migrated; Redis tests get a unique stream key, deleted afterwards."""
+
 from __future__ import annotations
 
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -33,6 +35,7 @@ async def make_redis_log(stream_key: str):
     def make(url: str = REDIS_URL, **options: Any) -> RedisStreamLog:
         made.append(RedisStreamLog.from_url(url, stream_key, "warehouse", **options))
         return made[-1]
+
     yield make
     for stream_log in made:
         await stream_log.close()

@@ -1,11 +1,13 @@
 """Shared helpers of the metering tests: events, counting warehouse rows, waiting, and a TCP proxy to Redis that a
 test can cut and restore."""
+
 from __future__ import annotations
 
 import asyncio
 import time
-from datetime import datetime, timedelta, timezone
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from sqlalchemy import func, select
 
@@ -15,15 +17,29 @@ from tokenfleet.store.models import UsageEventRow
 
 REDIS_URL = "redis://127.0.0.1:6379"
 REDIS_PORT = 6379
-START = datetime(2026, 3, 1, 23, 59, 58, tzinfo=timezone.utc)
+START = datetime(2026, 3, 1, 23, 59, 58, tzinfo=UTC)
 
 
 def event(n: int = 0, **overrides: Any) -> UsageEvent:
     values: dict[str, Any] = dict(
-        request_id=f"chatcmpl-{n:06d}", org_id=f"org_{n % 3}", user_id=f"user_{n % 5}", key_id=f"key_{n % 5}",
-        model="demo-2026-01-01", replica="10.0.0.7:8100", pool="eu-west", tier="paid", input_tokens=100 + n,
-        cached_tokens=n % 50, output_tokens=n, ttft_s=0.05, latency_s=1.5, status="finished",
-        route="cache-aware prefix=3 load=0.4", started_at=START, ended_at=START + timedelta(seconds=1.5))
+        request_id=f"chatcmpl-{n:06d}",
+        org_id=f"org_{n % 3}",
+        user_id=f"user_{n % 5}",
+        key_id=f"key_{n % 5}",
+        model="demo-2026-01-01",
+        replica="10.0.0.7:8100",
+        pool="eu-west",
+        tier="paid",
+        input_tokens=100 + n,
+        cached_tokens=n % 50,
+        output_tokens=n,
+        ttft_s=0.05,
+        latency_s=1.5,
+        status="finished",
+        route="cache-aware prefix=3 load=0.4",
+        started_at=START,
+        ended_at=START + timedelta(seconds=1.5),
+    )
     values.update(overrides)
     return UsageEvent(**values)
 

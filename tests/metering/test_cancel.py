@@ -1,10 +1,11 @@
 """The metering loops stop when cancelled (as the gateway does at shutdown, then awaits them) even when a client
 library loses the cancellation and returns normally, as redis-py's XREADGROUP BLOCK does now and then when the
 cancel meets its reply: before, the loop went on and the gateway's shutdown waited forever."""
+
 from __future__ import annotations
 
 import asyncio
-from typing import Sequence
+from collections.abc import Sequence
 
 import pytest
 

@@ -1,6 +1,7 @@
 """`kill -9` of the gateway mid-stream: after a restart the request's usage row still appears, exactly once, with
 the tokens counted up to the last checkpoint. Embedded (one `tokenfleet serve`, SQLite) and in a fleet (a gateway
 process in front of a replica process, PostgreSQL and the Redis Stream)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,9 +29,25 @@ def embedded(model_dir: Path, logs: Path):
     """start() -> a fresh `tokenfleet serve` on the same SQLite file and port, each time it is called."""
     port, url = free_port(), f"sqlite:///{logs / 'usage.db'}"
     (logs / "fleet.yaml").write_text(yaml.safe_dump({"metering": METERING}))
-    args = ["serve", "--model", str(model_dir), "--port", str(port), "--served-model-name", MODEL,
-            "--kv-cache-gib", "0.1", "--swap-space-gib", "0.01", "--max-model-len", "2048",
-            "--config", str(logs / "fleet.yaml"), "--database-url", url]
+    args = [
+        "serve",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--served-model-name",
+        MODEL,
+        "--kv-cache-gib",
+        "0.1",
+        "--swap-space-gib",
+        "0.01",
+        "--max-model-len",
+        "2048",
+        "--config",
+        str(logs / "fleet.yaml"),
+        "--database-url",
+        url,
+    ]
     yield lambda n: running_process(args, f"http://127.0.0.1:{port}/health", logs / f"serve{n}.log"), port, url
 
 
@@ -38,18 +55,31 @@ def embedded(model_dir: Path, logs: Path):
 def fleet(model_dir: Path, logs: Path):
     replica_port, port, prefix = free_port(), free_port(), f"tokenfleet-test:{uuid.uuid4().hex}:"
     database = create_postgres_database()
-    config = {"model_name": MODEL, "model_path": str(model_dir), "port": port,
-              "replicas": [f"http://127.0.0.1:{replica_port}"], "redis_url": "redis://127.0.0.1:6379/0",
-              "redis_prefix": prefix + "stream:", "database_url": database_url(database),
-              "admin_key": ADMIN_KEY, "quota": {"prefix": prefix + "quota:"}, "metering": {**METERING, "stream_key": prefix + "usage"}}
+    config = {
+        "model_name": MODEL,
+        "model_path": str(model_dir),
+        "port": port,
+        "replicas": [f"http://127.0.0.1:{replica_port}"],
+        "redis_url": "redis://127.0.0.1:6379/0",
+        "redis_prefix": prefix + "stream:",
+        "database_url": database_url(database),
+        "admin_key": ADMIN_KEY,
+        "quota": {"prefix": prefix + "quota:"},
+        "metering": {**METERING, "stream_key": prefix + "usage"},
+    }
     (logs / "fleet.yaml").write_text(yaml.safe_dump(config))
     try:
         replica = replica_args(model_dir, replica_port) + ["--max-model-len", "2048", "--kv-cache-gib", "0.1"]
-        with running_process(replica, f"http://127.0.0.1:{replica_port}/health",
-                             logs / "replica.log"):
-            yield (lambda n: running_process(["gateway", "--config", str(logs / "fleet.yaml")],
-                                             f"http://127.0.0.1:{port}/health", logs / f"gateway{n}.log"),
-                   port, database_url(database))
+        with running_process(replica, f"http://127.0.0.1:{replica_port}/health", logs / "replica.log"):
+            yield (
+                lambda n: running_process(
+                    ["gateway", "--config", str(logs / "fleet.yaml")],
+                    f"http://127.0.0.1:{port}/health",
+                    logs / f"gateway{n}.log",
+                ),
+                port,
+                database_url(database),
+            )
     finally:
         delete_redis_keys(prefix)
         drop_postgres_database(database)
@@ -65,10 +95,21 @@ async def rows_of(url: str, request_id: str) -> tuple[list[UsageEventRow], int]:
 def read_some_then_kill(process, port: int, key: str, token_events: int) -> str:
     """Starts a long stream, reads some events, waits for a checkpoint, then SIGKILLs the gateway. Returns the
     request id."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "A long story"}], "max_tokens": 1800,  # longer than the test takes
-            "temperature": 0, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body,
-                      headers={"Authorization": f"Bearer {key}"}, timeout=30) as response:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "A long story"}],
+        "max_tokens": 1800,  # longer than the test takes
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST",
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=30,
+    ) as response:
         assert response.status_code == 200, response.read()
         request_id, seen = response.headers["x-request-id"], 0
         for line in response.iter_lines():
@@ -85,8 +126,12 @@ def api_key(kind: str, port: int) -> str:
     """The embedded server runs open (any key); the fleet's gateway needs one of its tenants' keys."""
     if kind == "embedded":
         return "unused"
-    response = httpx.post(f"http://127.0.0.1:{port}/admin/v1/keys", json={"org": "crash", "user": "u", "tier": "paid"},
-                          headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10)
+    response = httpx.post(
+        f"http://127.0.0.1:{port}/admin/v1/keys",
+        json={"org": "crash", "user": "u", "tier": "paid"},
+        headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+        timeout=10,
+    )
     assert response.status_code == 201, response.text
     return response.json()["key"]
 

@@ -1,6 +1,7 @@
 """The gateway meters every request it admits, end to end: a real engine behind the in-process replica, the real
 outbox, log and warehouse on SQLite and PostgreSQL. A cancelled stream is billed exactly the tokens it delivered,
 and its quota reservation is reconciled with the same numbers."""
+
 from __future__ import annotations
 
 import asyncio
@@ -12,10 +13,10 @@ from sqlalchemy import select
 from tests.gateway.inprocess import MODEL, inprocess_gateway
 from tests.metering.helpers import eventually
 from tokenfleet.api.errors import APIError
-from tokenfleet.engine.config import EngineConfig
-from tokenfleet.metering.settings import MeteringSettings
 from tokenfleet.engine.async_engine import AsyncEngine
+from tokenfleet.engine.config import EngineConfig
 from tokenfleet.gateway.upstream import InProcessUpstream
+from tokenfleet.metering.settings import MeteringSettings
 from tokenfleet.quota.memory import MemoryQuota
 from tokenfleet.replica.server import ReplicaService
 from tokenfleet.store.db import Database
@@ -38,8 +39,9 @@ class ObservedQuota(MemoryQuota):
 
 @pytest.fixture(scope="module")
 def engine(demo_model_dir):
-    engine = AsyncEngine(EngineConfig.from_options(str(demo_model_dir), kv_cache_gib=0.05,
-                                                       swap_space_gib=0.01, max_model_len=512))
+    engine = AsyncEngine(
+        EngineConfig.from_options(str(demo_model_dir), kv_cache_gib=0.05, swap_space_gib=0.01, max_model_len=512)
+    )
     yield engine
     engine.shutdown()
 
@@ -49,9 +51,14 @@ def built(engine, db_url: str):
     """An open gateway on the free tier (so quotas apply) over the real engine, metering into the test database
     (built outside the test's event loop, as the CLI does: start-up migrates in its own loop)."""
     quota = ObservedQuota()
-    gateway = inprocess_gateway(engine.engine.config.model, [InProcessUpstream(ReplicaService(engine, MODEL))],
-                                open_tier="free", quota=quota, database_url=db_url,
-                                metering=MeteringSettings(lease_s=2.0, checkpoint_s=0.2, ship_interval_s=0.05))
+    gateway = inprocess_gateway(
+        engine.engine.config.model,
+        [InProcessUpstream(ReplicaService(engine, MODEL))],
+        open_tier="free",
+        quota=quota,
+        database_url=db_url,
+        metering=MeteringSettings(lease_s=2.0, checkpoint_s=0.2, ship_interval_s=0.05),
+    )
     return gateway, quota
 
 
@@ -79,8 +86,13 @@ async def warehouse_row(db: Database, request_id: str) -> UsageEventRow:
 
 
 def chat(max_tokens: int, **extra) -> dict:
-    return {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story"}],
-            "max_tokens": max_tokens, "temperature": 0, **extra}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me a long story"}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **extra,
+    }
 
 
 async def test_a_finished_request_is_one_row_with_its_counts_timing_and_route(metered, db):

@@ -1,6 +1,7 @@
 """The event log contract, for MemoryLog and RedisStreamLog alike: order, ack, blocking reads, consumers sharing
 the work, and redelivery of entries a dead consumer read but never acked. Then what only Redis has: a restarted
 consumer name, a lost consumer group, undecodable entries and the length cap."""
+
 from __future__ import annotations
 
 import asyncio
@@ -94,6 +95,7 @@ async def test_memory_log_keeps_at_most_maxlen_entries():
 
 
 # Redis only
+
 
 async def test_a_consumer_started_again_under_its_name_gets_its_unacked_entries_at_once(make_redis_log):
     before = make_redis_log()

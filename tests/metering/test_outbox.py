@@ -1,8 +1,10 @@
 """The outbox on SQLite and PostgreSQL: add is idempotent per request, pending is oldest first, mark_sent and
 purge_sent, and resending what the warehouse never got."""
+
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from datetime import timedelta
 
 import pytest
@@ -10,8 +12,8 @@ from sqlalchemy import func, select
 
 from tests.metering.helpers import event, events
 from tokenfleet.metering import Outbox
-from tokenfleet.metering.warehouse import WAREHOUSE, warehouse_row
 from tokenfleet.metering.sql import insert_ignoring
+from tokenfleet.metering.warehouse import WAREHOUSE, warehouse_row
 from tokenfleet.store.db import Database
 from tokenfleet.store.models import UsageOutboxRow, utcnow
 
@@ -59,14 +61,17 @@ async def test_mark_sent_takes_rows_out_of_pending(outbox: Outbox):
     assert await outbox.add(pending[0][1]) is False  # sent, but still there: still idempotent
 
 
-async def test_purge_deletes_only_rows_sent_before_the_cutoff(db: Database, outbox: Outbox):
+async def test_purge_deletes_only_rows_sent_before_the_cutoff_and_written(db: Database, outbox: Outbox):
     for e in events(3):
         await outbox.add(e)
     pending = await outbox.pending()
-    await outbox.mark_sent([pending[0][0]])
+    await outbox.mark_sent([pending[0][0], pending[1][0]])
+    async with db.session() as session, session.begin():  # only the first made it to the warehouse
+        await insert_ignoring(session, WAREHOUSE, [warehouse_row(events(1)[0])], key="request_id")
     assert await outbox.purge_sent(timedelta(hours=1)) == 0  # sent just now: kept
     assert await outbox.purge_sent(utcnow() + timedelta(seconds=1)) == 1  # a cutoff time works too
-    assert await outbox_rows(db) == 2 and await outbox.pending_count() == 2  # unsent rows are never purged
+    assert await outbox_rows(db) == 2 and await outbox.pending_count() == 1  # unsent rows are never purged
+    assert await outbox.resend_unwritten() == 1  # sent but never written: kept, and can be sent again
 
 
 async def test_resend_unwritten_requeues_sent_rows_without_a_warehouse_row(db: Database, outbox: Outbox):
@@ -78,6 +83,14 @@ async def test_resend_unwritten_requeues_sent_rows_without_a_warehouse_row(db: D
     assert await outbox.resend_unwritten() == 2
     assert [e.request_id for _, e in await outbox.pending()] == [e.request_id for e in events(2, first=2)]
     assert await outbox.resend_unwritten() == 0  # pending rows are left alone
+
+
+async def test_resend_unwritten_can_take_only_rows_sent_before_a_time(db: Database, outbox: Outbox):
+    for e in events(2):
+        await outbox.add(e)
+    await outbox.mark_sent([row_id for row_id, _ in await outbox.pending()])
+    assert await outbox.resend_unwritten(timedelta(minutes=1)) == 0  # sent just now: the writer may be on it
+    assert await outbox.resend_unwritten(utcnow() + timedelta(seconds=1)) == 2
 
 
 async def test_an_open_row_is_not_shipped_until_closed(outbox: Outbox):
@@ -103,6 +116,22 @@ async def test_a_row_whose_lease_ran_out_is_reaped_once_as_failed_with_its_last_
     assert await outbox.close(event(8)) is False  # the gateway was only slow: the reaped event stands
 
 
+async def test_the_reaper_bills_what_reconcile_finds_and_retries_a_row_it_fails_on(outbox: Outbox):
+    await outbox.open(event(11, output_tokens=0), utcnow() - timedelta(seconds=1))
+    await outbox.open(event(12, output_tokens=0), utcnow() - timedelta(seconds=1))
+
+    async def reconcile(e):
+        if e.request_id == event(12).request_id:
+            raise ConnectionError("redis is down")
+        return dataclasses.replace(e, output_tokens=40)
+
+    assert await outbox.reap(reconcile=reconcile) == 1
+    [(_, final)] = await outbox.pending()
+    assert (final.request_id, final.status, final.output_tokens) == (event(11).request_id, "failed", 40)
+    assert await outbox.reap(reconcile=reconcile, reconcile_for=timedelta(0)) == 1  # gave up: its checkpoint
+    assert [e.output_tokens for _, e in await outbox.pending()] == [40, 0]
+
+
 async def test_a_close_without_an_open_row_writes_the_event(outbox: Outbox):
     assert await outbox.close(event(10)) is True
     assert [e.request_id for _, e in await outbox.pending()] == [event(10).request_id]
@@ -111,8 +140,11 @@ async def test_a_close_without_an_open_row_writes_the_event(outbox: Outbox):
 async def test_write_opens_and_closes_many_requests_in_one_go(outbox: Outbox):
     lease = utcnow() + timedelta(seconds=30)
     await outbox.open(event(20, output_tokens=1), lease)  # opened by an earlier batch
-    await outbox.write([event(21, output_tokens=0), event(22, output_tokens=0)],
-                       [event(20, output_tokens=7), event(22, output_tokens=3), event(23)], lease)
+    await outbox.write(
+        [event(21, output_tokens=0), event(22, output_tokens=0)],
+        [event(20, output_tokens=7), event(22, output_tokens=3), event(23)],
+        lease,
+    )
     closed = {e.request_id: e.output_tokens for _, e in await outbox.pending()}
     assert closed == {event(20).request_id: 7, event(22).request_id: 3, event(23).request_id: 23}  # 21 still runs
     await outbox.write([event(20, output_tokens=0)], [event(22, output_tokens=99)], lease)  # late open, second close

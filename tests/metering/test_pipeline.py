@@ -1,10 +1,11 @@
 """Outbox -> shipper -> log -> warehouse writer, on SQLite and PostgreSQL with a real Redis: every request ends up
 as exactly one row through outages, crashes before ack, repeated publishes and restarts."""
+
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 import pytest
 
@@ -41,6 +42,7 @@ class CrashAfter:
             if self.after_work:
                 await attr(*args, **kwargs)
             raise RuntimeError(f"crashed in {name}")
+
         return crashing
 
 
@@ -63,8 +65,10 @@ async def test_200_events_end_to_end_each_once(db: Database, outbox: Outbox, mak
 
 async def test_running_loops_deliver_events_added_while_they_run(db: Database, outbox: Outbox, make_log):
     log = make_log()
-    tasks = [asyncio.create_task(OutboxShipper(outbox, log, interval_s=0.02).run()),
-             asyncio.create_task(WarehouseWriter(db, log, "w", block_ms=50).run())]
+    tasks = [
+        asyncio.create_task(OutboxShipper(outbox, log, interval_s=0.02).run()),
+        asyncio.create_task(WarehouseWriter(db, log, "w", block_ms=50).run()),
+    ]
     try:
         for e in events(60):
             await outbox.add(e)
@@ -74,8 +78,7 @@ async def test_running_loops_deliver_events_added_while_they_run(db: Database, o
     assert_each_once(await row_counts(db), events(60))
 
 
-async def test_an_event_log_outage_loses_and_doubles_nothing(db: Database, outbox: Outbox, make_redis_log,
-                                                             caplog):
+async def test_an_event_log_outage_loses_and_doubles_nothing(db: Database, outbox: Outbox, make_redis_log, caplog):
     proxy = Proxy()
     await proxy.start()
     shipper = OutboxShipper(outbox, make_redis_log(proxy.url), interval_s=0.02, max_backoff_s=0.2)
@@ -103,8 +106,7 @@ async def test_an_event_log_outage_loses_and_doubles_nothing(db: Database, outbo
     assert sum("usage shipper" in w and "available again" in w for w in warnings) == 1
 
 
-async def test_a_writer_that_dies_before_ack_is_replaced_and_nothing_doubles(db: Database, outbox: Outbox,
-                                                                           make_log):
+async def test_a_writer_that_dies_before_ack_is_replaced_and_nothing_doubles(db: Database, outbox: Outbox, make_log):
     log = make_log(claim_idle_ms=200)
     await log.publish(events(40))
     inserted_then_died = WarehouseWriter(db, CrashAfter(log, "ack"), "writer-a", batch=25)
@@ -123,7 +125,8 @@ async def test_a_writer_that_dies_before_ack_is_replaced_and_nothing_doubles(db:
 
 
 async def test_a_shipper_crash_between_publish_and_mark_sent_publishes_twice_but_writes_once(
-        db: Database, outbox: Outbox, make_log):
+    db: Database, outbox: Outbox, make_log
+):
     log = make_log()
     for e in events(20):
         await outbox.add(e)
@@ -174,4 +177,3 @@ async def _stop(tasks: list[asyncio.Task]) -> None:
         task.cancel()
     results = await asyncio.gather(*tasks, return_exceptions=True)
     assert all(isinstance(r, asyncio.CancelledError) for r in results), results  # nothing raised on its own
-

@@ -1,6 +1,7 @@
 """The recorder's group commit: the opens and closes of many requests share one outbox write, one write runs at a
 time, no close is written before its open, a request that ended before its open was written is written once (by its
 close), and a close whose write failed is kept and written later."""
+
 from __future__ import annotations
 
 import asyncio
@@ -34,8 +35,12 @@ class SlowOutbox:
         self.batches.append(([e.request_id for e in opens], [e.request_id for e in closes]))
 
     def writes(self) -> list[tuple[str, str]]:
-        return [(kind, rid) for opened, closed in self.batches
-                for kind, rids in (("open", opened), ("close", closed)) for rid in rids]
+        return [
+            (kind, rid)
+            for opened, closed in self.batches
+            for kind, rids in (("open", opened), ("close", closed))
+            for rid in rids
+        ]
 
 
 async def test_one_write_at_a_time_many_requests_each_and_no_close_before_its_open():

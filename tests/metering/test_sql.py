@@ -1,5 +1,6 @@
 """insert_ignoring on SQLite and PostgreSQL: exact counts of new rows, and a statement compiled once and reused
 whatever the rows (the warehouse writer's batches and every outbox write go through it)."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,8 +16,9 @@ pytestmark = pytest.mark.anyio
 
 async def insert(db: Database, first: int, count: int) -> int:
     async with db.session() as session, session.begin():
-        return await insert_ignoring(session, WAREHOUSE, [warehouse_row(e) for e in events(count, first)],
-                                     key="request_id")
+        return await insert_ignoring(
+            session, WAREHOUSE, [warehouse_row(e) for e in events(count, first)], key="request_id"
+        )
 
 
 async def test_counts_only_new_rows_across_chunks_and_calls(db: Database):
@@ -33,6 +35,7 @@ async def test_the_statement_is_compiled_once_and_reused(db: Database):
 
     def seen(conn, cursor, statement, parameters, context, executemany) -> None:
         compiled.append(context.compiled)
+
     sql_event.listen(db.engine.sync_engine, "before_cursor_execute", seen)
     try:
         for first, count in ((0, 1), (1, 1), (2, 40), (42, 3)):

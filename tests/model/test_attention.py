@@ -1,4 +1,5 @@
 """The CPU paged decode kernel computes what the PyTorch gather path computes, on the same paged cache."""
+
 from __future__ import annotations
 
 import pytest
@@ -63,7 +64,7 @@ def test_kernel_and_torch_path_match_plain_attention(kernel, dtype, tol, heads, 
     q, keys, values, tables, lens = random_paged_batch(9, heads, kv_heads, dim, dtype)
     cache = cache_layout(keys, values)
     expected = reference(q, keys, values, tables, lens)
-    got = kernel(q, cache[0], cache[1], tables, lens, BLOCK, dim ** -0.5)
+    got = kernel(q, cache[0], cache[1], tables, lens, BLOCK, dim**-0.5)
     assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got.double(), expected, atol=tol, rtol=tol)
     torch.testing.assert_close(torch_path(q, cache, tables, lens).double(), expected, atol=tol, rtol=tol)
@@ -88,7 +89,8 @@ def test_engine_without_kernel_matches_reference(tmp_path):
     llm = LLM(str(path), skip_tokenizer_init=True, max_num_batched_tokens=40, **SMALL_KV)
     llm.engine.runner.use_decode_kernel(None)
     prompts = [[(7 * i + j) % 380 + 3 for j in range(10 + 13 * i)] for i in range(5)]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    )
     for prompt, out in zip(prompts, outputs):
         assert out.token_ids == reference_greedy(reference, prompt, 10)

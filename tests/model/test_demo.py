@@ -1,4 +1,5 @@
 """The demo checkpoint: a complete, deterministic HF-format Llama folder that transformers can load."""
+
 from __future__ import annotations
 
 import filecmp
@@ -15,8 +16,14 @@ from tokenfleet.cli import main
 from tokenfleet.model.demo import SIZES, weight_shapes, write_demo_checkpoint
 from tokenfleet.model.tokenizer import Tokenizer
 
-FILES = ["config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json", "tokenizer.json",
-         "tokenizer_config.json"]
+FILES = [
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "special_tokens_map.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+]
 
 
 def read_json(path: Path) -> dict:
@@ -28,8 +35,13 @@ def test_folder_has_every_file_and_a_consistent_config(demo_model_dir):
     config = read_json(demo_model_dir / "config.json")
     tok = Tokenizer.from_dir(demo_model_dir)
     assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
-    assert (config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"],
-            config["num_key_value_heads"], config["intermediate_size"]) == (64, 2, 4, 2, 176)
+    assert (
+        config["hidden_size"],
+        config["num_hidden_layers"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["intermediate_size"],
+    ) == (64, 2, 4, 2, 176)
     assert config["torch_dtype"] == config["dtype"] == "float32"
     assert config["rope_theta"] == 10000 and config["rms_norm_eps"] == 1e-5
     assert config["tie_word_embeddings"] is False and config["max_position_embeddings"] == 2048
@@ -37,7 +49,9 @@ def test_folder_has_every_file_and_a_consistent_config(demo_model_dir):
     assert config["bos_token_id"] == tok.bos_token_id == tok.token_to_id("<|begin_of_text|>")
     assert config["eos_token_id"] == tok.eos_token_id == tok.token_to_id("<|end_of_text|>")
     assert read_json(demo_model_dir / "generation_config.json")["eos_token_id"] == [
-        tok.token_to_id("<|end_of_text|>"), tok.token_to_id("<|im_end|>")]
+        tok.token_to_id("<|end_of_text|>"),
+        tok.token_to_id("<|im_end|>"),
+    ]
 
 
 def test_weights_use_hf_names_shapes_and_init(demo_model_dir):
@@ -64,9 +78,14 @@ def test_tokenizer_round_trips_training_text_and_unicode(demo_model_dir):
     assert ids[0] == tok.bos_token_id and tok.decode(ids) == text
     assert len(ids) < len(text.encode()) / 2.5  # trained merges compress English text
     assert {tok.token_to_id(t) for t in ("<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>")} == {
-        0, 1, 2, 3}
+        0,
+        1,
+        2,
+        3,
+    }
     assert tok.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]) == (
-        "<|begin_of_text|><|im_start|>system\ns<|im_end|>\n<|im_start|>user\nu<|im_end|>\n<|im_start|>assistant\n")
+        "<|begin_of_text|><|im_start|>system\ns<|im_end|>\n<|im_start|>user\nu<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_same_seed_same_bytes_other_seed_other_weights(tmp_path, demo_model_dir):
@@ -78,8 +97,9 @@ def test_same_seed_same_bytes_other_seed_other_weights(tmp_path, demo_model_dir)
 
 
 def test_size_table_parameter_counts():
-    counts = {name: sum(torch.Size(s).numel() for s in weight_shapes(spec, 4096).values())
-              for name, spec in SIZES.items()}
+    counts = {
+        name: sum(torch.Size(s).numel() for s in weight_shapes(spec, 4096).values()) for name, spec in SIZES.items()
+    }
     assert 0.5e6 < counts["tiny"] < 1.5e6
     assert 2.5e6 < counts["small"] < 6e6
     assert 20e6 < counts["medium"] < 35e6
@@ -114,8 +134,12 @@ def test_cli_in_process(tmp_path, capsys):
 
 def test_python_dash_m_demo_model_loads_with_transformers(tmp_path, demo_model_dir):
     out = tmp_path / "cli-model"
-    result = subprocess.run([sys.executable, "-m", "tokenfleet", "demo-model", str(out), "--size", "tiny"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenfleet", "demo-model", str(out), "--size", "tiny"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     # a fresh process writes byte-identical files (tokenizer training is deterministic across processes)
     assert filecmp.cmpfiles(demo_model_dir, out, FILES, shallow=False)[0] == FILES
@@ -123,4 +147,5 @@ def test_python_dash_m_demo_model_loads_with_transformers(tmp_path, demo_model_d
 
     assert AutoModelForCausalLM.from_pretrained(out).config.num_hidden_layers == 2
     assert AutoTokenizer.from_pretrained(out).decode([0, 1], skip_special_tokens=False) == (
-        "<|begin_of_text|><|end_of_text|>")
+        "<|begin_of_text|><|end_of_text|>"
+    )

@@ -1,5 +1,6 @@
 """load_model: sharded and tied checkpoints match transformers, dtypes are kept or cast, and every broken checkpoint
 fails with a clear exception that names the problem."""
+
 from __future__ import annotations
 
 import json
@@ -33,7 +34,7 @@ def check_matches_reference(path: Path, reference, max_tokens: int = 8, **option
         assert out.token_ids == reference_greedy(reference, prompt, max_tokens)
         with torch.no_grad():
             logits = reference(torch.tensor([prompt + out.token_ids[:-1]])).logits[0].float()
-        ref_lsm = torch.log_softmax(logits[len(prompt) - 1:], dim=-1)
+        ref_lsm = torch.log_softmax(logits[len(prompt) - 1 :], dim=-1)
         assert len(out.logprobs) == max_tokens
         for row, lp in zip(ref_lsm, out.logprobs):
             assert lp.logprob == pytest.approx(row[lp.token_id].item(), abs=1e-4)
@@ -91,9 +92,14 @@ def edit_config(path: Path, **changes) -> None:
 # --- sharded checkpoints ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", [("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
-                                  ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True))],
-                         ids=["llama", "qwen2-tied"])
+@pytest.mark.parametrize(
+    "arch",
+    [
+        ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
+        ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    ],
+    ids=["llama", "qwen2-tied"],
+)
 def test_sharded_checkpoint_matches_transformers(tmp_path, arch):
     config_name, model_name, extra = arch
     path = save_hf(tmp_path / "sharded", config_name, model_name, **extra)
@@ -177,7 +183,7 @@ def test_half_checkpoints_load_in_their_dtype_and_cast(tmp_path, dtype):
     assert {p.dtype for p in as_fp32.parameters()} == {torch.float32}
     assert torch.equal(as_fp32.embed_tokens.weight, stored["model.embed_tokens.weight"].float())
     q = stored["model.layers.0.self_attn.q_proj.weight"]
-    assert torch.equal(as_fp32.layers[0].self_attn.qkv_proj.weight[:q.shape[0]], q.float())
+    assert torch.equal(as_fp32.layers[0].self_attn.qkv_proj.weight[: q.shape[0]], q.float())
 
     auto = LLM(str(path), skip_tokenizer_init=True, **SMALL_KV)  # engine dtype="auto"
     assert next(auto.engine.model.parameters()).dtype == dtype
@@ -240,7 +246,7 @@ def test_corrupt_safetensors(broken, damage):
     file = weights_file(broken)
     data = file.read_bytes()
     if damage == "truncated":
-        file.write_bytes(data[:len(data) // 2])
+        file.write_bytes(data[: len(data) // 2])
     elif damage == "empty":
         file.write_bytes(b"")
     else:
@@ -265,10 +271,15 @@ def test_index_not_json(tmp_path):
         load_model(path)
 
 
-@pytest.mark.parametrize("name", ["model.layers.0.mlp.down_proj.weight",  # plain
-                                  "model.layers.1.self_attn.k_proj.weight",  # a slice of the fused qkv
-                                  "model.layers.0.mlp.up_proj.weight",  # a slice of the fused gate_up
-                                  "model.embed_tokens.weight"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.layers.0.mlp.down_proj.weight",  # plain
+        "model.layers.1.self_attn.k_proj.weight",  # a slice of the fused qkv
+        "model.layers.0.mlp.up_proj.weight",  # a slice of the fused gate_up
+        "model.embed_tokens.weight",
+    ],
+)
 def test_wrong_shape(broken, name):
     def shrink(t):
         t[name] = t[name][:, :-1].contiguous()
@@ -278,11 +289,16 @@ def test_wrong_shape(broken, name):
         load_model(broken)
 
 
-@pytest.mark.parametrize("name", ["model.layers.1.post_attention_layernorm.weight",
-                                  "model.layers.0.self_attn.o_proj.weight",
-                                  "model.layers.1.self_attn.k_proj.weight",
-                                  "model.layers.0.mlp.gate_proj.weight",
-                                  "model.norm.weight"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.layers.1.post_attention_layernorm.weight",
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.layers.1.self_attn.k_proj.weight",
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.norm.weight",
+    ],
+)
 def test_missing_weight(broken, name):
     edit_weights(broken, lambda t: t.pop(name))
     with pytest.raises(ValueError, match="missing") as info:

@@ -1,4 +1,5 @@
 """tokenfleet's Tokenizer against transformers' AutoTokenizer, plus streaming detokenization and stop strings."""
+
 from __future__ import annotations
 
 import json
@@ -75,22 +76,28 @@ LLAMA3_TEMPLATE = """{{- bos_token }}
 {%- endif %}
 """
 
-TOOLS = [{
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Température actuelle en °C",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Température actuelle en °C",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 
 TOOL_CONVERSATION = [
     {"role": "system", "content": "  Be helpful.  "},
     {"role": "user", "content": "Weather in Zürich?"},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}},
-        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Bern"}}},
-    ]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}},
+            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Bern"}}},
+        ],
+    },
     {"role": "tool", "content": "21"},
 ]
 
@@ -182,8 +189,12 @@ def test_corrupt_files_are_clear_errors(tmp_path, demo_model_dir):
 
 
 def test_eos_ids_union_of_all_config_files(tmp_path, demo_model_dir):
-    path = copy_checkpoint(demo_model_dir, tmp_path, eos_token={"content": "<|im_end|>", "special": True},
-                           bos_token={"content": "<|im_start|>"})
+    path = copy_checkpoint(
+        demo_model_dir,
+        tmp_path,
+        eos_token={"content": "<|im_end|>", "special": True},
+        bos_token={"content": "<|im_start|>"},
+    )
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "eos_token_id": [1, 2]}))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
@@ -244,8 +255,10 @@ def test_llama3_style_template_matches_transformers(tmp_path, demo_model_dir):
 
 
 def test_named_templates_pick_tool_use_like_transformers(tmp_path, demo_model_dir):
-    templates = [{"name": "default", "template": "D{{ messages[0].content }}"},
-                 {"name": "tool_use", "template": "T{{ tools | length }}{{ messages[0].content }}"}]
+    templates = [
+        {"name": "default", "template": "D{{ messages[0].content }}"},
+        {"name": "tool_use", "template": "T{{ tools | length }}{{ messages[0].content }}"},
+    ]
     path = copy_checkpoint(demo_model_dir, tmp_path, chat_template=templates)
     tok, hf = Tokenizer.from_dir(path), hf_tokenizer(path)
     messages = [{"role": "user", "content": "x"}]
@@ -263,12 +276,15 @@ REASONING_TEMPLATE = (
 
 
 def test_none_values_and_reasoning_fields_like_transformers(tok, hf):
-    messages = [{"role": "user", "content": "q"},
-                {"role": "assistant", "content": None, "reasoning": "hmm", "tool_calls": None}]
+    messages = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "reasoning": "hmm", "tool_calls": None},
+    ]
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"default": None}}}]
     ours = tok.apply_chat_template(messages, tools=tools, chat_template=REASONING_TEMPLATE, flag=None)
-    theirs = hf.apply_chat_template(messages, tools=tools, chat_template=REASONING_TEMPLATE, flag=None,
-                                    tokenize=False, add_generation_prompt=True)
+    theirs = hf.apply_chat_template(
+        messages, tools=tools, chat_template=REASONING_TEMPLATE, flag=None, tokenize=False, add_generation_prompt=True
+    )
     assert ours == theirs
     assert "[assistant|-|hmm|hmm]" in ours and '{"default": null}' in ours and ours.endswith("null")
     assert messages[1]["content"] is None  # the caller's messages are not modified
@@ -299,7 +315,7 @@ MULTIBYTE = "Hello 😀 世界! Ünïcødé — ok 👩‍👩‍👧 한국어 
 def stream(detok: IncrementalDetokenizer, ids: list[int], chunk_sizes: list[int] | None = None) -> list[str]:
     deltas, start = [], 0
     for size in chunk_sizes or [1] * len(ids):
-        deltas.append(detok.add(ids[start:start + size]))
+        deltas.append(detok.add(ids[start : start + size]))
         start += size
     assert start == len(ids)
     deltas.append(detok.flush())
@@ -363,9 +379,17 @@ def test_flood_of_invalid_bytes_stays_bounded_and_exact(tok):
     windows = []
     real_decode = tok.decode
     detok = IncrementalDetokenizer(tok, tok.encode("prompt"))
-    detok.tokenizer = type("Spy", (), {"decode": staticmethod(
-        lambda window, skip_special_tokens=True: windows.append(len(window)) or real_decode(window, skip_special_tokens)
-    )})()
+    detok.tokenizer = type(
+        "Spy",
+        (),
+        {
+            "decode": staticmethod(
+                lambda window, skip_special_tokens=True: (
+                    windows.append(len(window)) or real_decode(window, skip_special_tokens)
+                )
+            )
+        },
+    )()
     deltas = stream(detok, ids)
     assert "".join(deltas) == tok.decode(ids) == "\ufffd" * 40 + "€" + "\ufffd" * 30 + " ok\ufffd"
     assert max(windows) <= IncrementalDetokenizer.CONTEXT_TOKENS + IncrementalDetokenizer.MAX_PENDING_TOKENS + 1
@@ -387,8 +411,8 @@ def test_sentencepiece_leading_spaces(sentencepiece_style):
     tok = sentencepiece_style
     prompt = tok.encode("the answer is")
     full = tok.encode("the answer is the exception handling works")
-    assert full[:len(prompt)] == prompt
-    output = full[len(prompt):]
+    assert full[: len(prompt)] == prompt
+    output = full[len(prompt) :]
     assert "".join(tok.decode([i]) for i in output) != " the exception handling works"  # naive decoding fails
     # With prompt context (vLLM/TGI), the first token keeps its space, so prompt + output reads right.
     assert "".join(stream(IncrementalDetokenizer(tok, prompt), output)) == " the exception handling works"
@@ -447,7 +471,7 @@ def reference_truncation(text: str, stops: list[str]) -> tuple[str, str | None]:
         done = [s for s in stops if text[:end].endswith(s)]
         if done:
             stop = max(done, key=len)
-            return text[:end - len(stop)], stop
+            return text[: end - len(stop)], stop
     return text, None
 
 
@@ -493,12 +517,16 @@ def test_a_template_that_refuses_the_messages_is_a_400_not_a_500(tmp_path, demo_
     from tokenfleet.api.errors import APIError
     from tokenfleet.api.protocol import ChatCompletionRequest, parse, prompt_token_ids
 
-    alternating = ("{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
-                   "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
-                   "{{ m.content }}{% endfor %}")
+    alternating = (
+        "{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+        "{{ m.content }}{% endfor %}"
+    )
     tok = Tokenizer.from_dir(copy_checkpoint(demo_model_dir, tmp_path, chat_template=alternating))
-    req = parse(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "a"},
-                                                                   {"role": "user", "content": "b"}]})
+    req = parse(
+        ChatCompletionRequest,
+        {"model": "m", "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]},
+    )
     with pytest.raises(APIError) as refused:
         prompt_token_ids(req, tok)
     assert refused.value.status == 400 and "must alternate" in refused.value.message

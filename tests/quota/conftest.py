@@ -1,9 +1,11 @@
 """Fixtures: a unique Redis key prefix per test (its keys deleted afterwards) and a backend factory parametrized
 over memory and Redis."""
+
 from __future__ import annotations
 
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis
@@ -27,6 +29,7 @@ def prefix() -> Any:
 def make_redis(prefix: str) -> Callable[..., RedisQuota]:
     def make(**options: Any) -> RedisQuota:
         return RedisQuota.from_url(REDIS_URL, prefix, **options)
+
     return make
 
 

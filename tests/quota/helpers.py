@@ -1,9 +1,11 @@
 """Shared helpers of the quota tests: running a coroutine, scopes, and a TCP proxy to Redis that a test can cut."""
+
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
 
 from tokenfleet.quota import Limits, Scope
 
@@ -75,7 +77,9 @@ class Proxy:
 
 async def silent_server() -> asyncio.base_events.Server:
     """Accepts connections and never answers: a hung Redis."""
+
     async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.read()  # until the client gives up
         writer.close()
+
     return await asyncio.start_server(hold, "127.0.0.1", 0)

@@ -1,4 +1,5 @@
 """Bad input is a ValueError, on every backend and through the failover wrapper (never a 503 or a refusal)."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,6 +14,7 @@ def test_bad_tokens(backend, tokens):
         async with opened(backend) as quota:
             with pytest.raises(ValueError):
                 await quota.reserve("r0", [org(tokens_per_minute=100)], tokens)
+
     run(main())
 
 
@@ -22,6 +24,7 @@ def test_bad_scopes(backend, scopes):
         async with opened(backend) as quota:
             with pytest.raises(ValueError):
                 await quota.reserve("r0", scopes, 1)
+
     run(main())
 
 
@@ -35,6 +38,7 @@ def test_bad_request_id_and_used_tokens(backend):
                 await quota.reconcile(reservation, -5)
             with pytest.raises(ValueError):
                 await quota.reconcile("r0", 5)
+
     run(main())
 
 
@@ -47,6 +51,7 @@ def test_failover_raises_value_error_for_closed_tiers_too():
             await quota.reserve("r0", [org()], -1, tier="free")
         with pytest.raises(ValueError):
             await quota.reconcile(Reservation("r0", (org(),), 1, "2024-01-01", "memory"), -1)
+
     run(main())
 
 
@@ -67,4 +72,5 @@ def test_bad_options(make_redis):
         make_redis(hot_tenants={"acme": 0})
     with pytest.raises(ValueError):
         from tokenfleet.quota import RedisQuota
+
         RedisQuota.from_url("redis://127.0.0.1:6379", "bad{prefix}:")

@@ -1,5 +1,6 @@
 """Each dimension admits up to its limit and refuses after, with the right reason, scope and retry-after; refill;
 all-or-nothing; zero limits and requests that can never fit. Runs on both backends."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,6 +22,7 @@ def test_requests_per_minute(backend):
             assert (refused.allowed, refused.reason, refused.scope) == (False, "requests_per_minute", "org:acme")
             assert 19.0 < refused.retry_after_s <= 20.0  # one request refills in 60/3 s
             assert refused.headers["retry-after"] == "20" and refused.headers["x-ratelimit-remaining-requests"] == "0"
+
     run(main())
 
 
@@ -34,6 +36,7 @@ def test_tokens_per_minute(backend):
             assert (refused.reason, refused.scope) == ("tokens_per_minute", "org:acme")
             assert 11.5 < refused.retry_after_s <= 12.0  # 200 missing tokens at 1000/60 per second
             assert (await quota.reserve("r4", [scope], 100)).allowed  # what is left still fits a smaller one
+
     run(main())
 
 
@@ -47,6 +50,7 @@ def test_concurrent_requests(backend):
             assert (refused.reason, refused.scope, refused.retry_after_s) == ("concurrent_requests", "user:acme/7", 0.5)
             await quota.reconcile(first.reservation, 10)
             assert (await quota.reserve("r3", [scope], 10)).allowed
+
     run(main())
 
 
@@ -61,6 +65,7 @@ def test_tokens_per_day(backend):
             assert abs(refused.retry_after_s - (86400 - time.time() % 86400)) < 5  # the next UTC day
             assert (await quota.reserve("r3", [scope], 200)).allowed
             assert (await quota.remaining(scope)).tokens_today == 0
+
     run(main())
 
 
@@ -74,6 +79,7 @@ def test_token_bucket_refills_over_time(backend):
             await asyncio.sleep(0.6)
             assert (await quota.reserve("r1", [scope], 50)).allowed
             assert not (await quota.reserve("r2", [scope], 50)).allowed  # ~10 left, not 50
+
     run(main())
 
 
@@ -87,14 +93,17 @@ def test_requests_refill_over_time(backend):
             assert 240 <= admitted <= 242  # the capacity, plus what refilled while the loop ran
             await asyncio.sleep(0.3)
             assert (await quota.reserve("again", [scope], 0)).allowed
+
     run(main())
 
 
 def test_all_or_nothing(backend):
     async def main():
         async with opened(backend) as quota:
-            acme, seven = org(tokens_per_minute=1000), user(requests_per_minute=100, tokens_per_minute=10_000,
-                                                           concurrent_requests=5, tokens_per_day=50_000)
+            acme, seven = (
+                org(tokens_per_minute=1000),
+                user(requests_per_minute=100, tokens_per_minute=10_000, concurrent_requests=5, tokens_per_day=50_000),
+            )
             assert (await quota.reserve("r0", [acme, seven], 900)).allowed
             before = await quota.remaining(seven)
             refused = await quota.reserve("r1", [acme, seven], 500)
@@ -108,6 +117,7 @@ def test_all_or_nothing(backend):
             refused = await quota.reserve("r2", [acme, small_user], 100 + 1)
             assert refused.reason == "request_too_large" and refused.scope == "user:acme/8"
             assert 0 <= (await quota.remaining(acme)).tokens - org_before.tokens < 5
+
     run(main())
 
 
@@ -119,6 +129,7 @@ def test_zero_limits_refuse_everything(backend):
                     refused = await quota.reserve(f"{dim}-{tokens}", [org(**{dim: 0})], tokens)
                     assert (refused.allowed, refused.reason, refused.retry_after_s) == (False, dim, None)
                     assert "retry-after" not in refused.headers
+
     run(main())
 
 
@@ -131,6 +142,7 @@ def test_request_too_large_can_never_fit(backend):
                 assert (refused.reason, refused.scope, refused.retry_after_s) == ("request_too_large", "org:acme", None)
                 assert "retry-after" not in refused.headers
                 assert (await quota.reserve("fits", [scope], 1000)).allowed  # nothing was charged
+
     run(main())
 
 
@@ -147,14 +159,21 @@ def test_headers_well_formed(backend):
             assert "retry-after" not in h
             refused = await quota.reserve("r1", [acme, seven], 700)
             h = refused.headers
-            assert set(h) >= {"x-ratelimit-limit-requests", "x-ratelimit-remaining-requests",
-                              "x-ratelimit-reset-requests", "x-ratelimit-limit-tokens",
-                              "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens", "retry-after",
-                              "retry-after-ms"}
+            assert set(h) >= {
+                "x-ratelimit-limit-requests",
+                "x-ratelimit-remaining-requests",
+                "x-ratelimit-reset-requests",
+                "x-ratelimit-limit-tokens",
+                "x-ratelimit-remaining-tokens",
+                "x-ratelimit-reset-tokens",
+                "retry-after",
+                "retry-after-ms",
+            }
             assert h["retry-after"] == "6" and 5900 < int(h["retry-after-ms"]) <= 6000  # 100 short at 1000/60 per s
             assert all(RESET.match(h[k]) for k in h if k.startswith("x-ratelimit-reset"))
             unlimited = await quota.reserve("r2", [org(tenant="free")], 10)
             assert unlimited.allowed and unlimited.headers == {}
+
     run(main())
 
 
@@ -165,4 +184,5 @@ def test_longest_wait_is_reported(backend):
             assert (await quota.reserve("r0", [scope], 1000)).allowed
             refused = await quota.reserve("r1", [scope], 600)  # short on both; the day is the longer wait
             assert refused.reason == "tokens_per_day" and refused.retry_after_s > 36
+
     run(main())

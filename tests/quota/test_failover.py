@@ -1,6 +1,7 @@
 """Outages: a Redis nobody listens on, one that never answers, and a proxy the test cuts mid-run and restores.
 Closed tiers get QuotaUnavailable fast, open tiers are decided locally, reconciles made during the outage arrive
 once Redis is back."""
+
 from __future__ import annotations
 
 import asyncio
@@ -44,6 +45,7 @@ def test_nothing_listening(prefix):
             await quota.reconcile(decision.reservation, 10)  # held locally: reconciled locally, nothing pending
             assert (quota.outages, quota.fallback_decisions, quota.unavailable) == (1, 2, 1)
             assert quota.pending_reconciles == 0 and quota.in_outage
+
     run(main())
 
 
@@ -68,6 +70,7 @@ def test_hung_redis_fails_within_the_timeout(prefix, caplog):
                 assert time.monotonic() - started < 0.2 and quota.outages == 1
         finally:
             server.close()
+
     run(main())
     assert len([r for r in caplog.records if "unreachable" in r.getMessage()]) == 1  # one warning per outage
 
@@ -79,6 +82,7 @@ def test_unknown_tier_uses_the_default_policy(prefix):
         async with opened(lambda: quota):
             with pytest.raises(QuotaUnavailable):
                 await quota.reserve("r0", [org()], 1, tier="mystery")
+
     run(main())
 
 
@@ -113,6 +117,7 @@ def test_outage_and_recovery_through_a_proxy(prefix):
             assert after.allowed and after.reservation.backend == "redis" and not quota.in_outage
             await quota.reconcile(local.reservation, 10)  # the one decided locally is settled locally
         await proxy.stop()
+
     run(main())
 
 
@@ -135,6 +140,7 @@ def test_reconcile_is_kept_until_delivered_even_across_failed_retries(prefix):
             await quota.flush_pending()  # nothing left, nothing twice
             assert quota.reconciles_replayed == 3
         await proxy.stop()
+
     run(main())
 
 
@@ -165,4 +171,5 @@ def test_without_a_breaker_every_request_tries_redis_and_pending_retries_do_not_
                 await asyncio.sleep(0.05)
             assert quota.pending_reconciles == 0 and quota.outages == 1
         await proxy.stop()
+
     run(main())

@@ -1,4 +1,5 @@
 """Memory backend specifics, with a clock the test moves: the UTC day rolls over, idle scopes are forgotten."""
+
 from __future__ import annotations
 
 import pytest
@@ -31,6 +32,7 @@ def test_daily_budget_starts_over_at_utc_midnight_and_old_days_are_left_alone():
         await quota.reconcile(late.reservation, 1900)  # yesterday's shortfall does not eat today's budget
         assert (await quota.remaining(scope)).tokens_today == 1000
         assert (await quota.reserve("r2", [scope], 1000)).allowed
+
     run(main())
 
 
@@ -48,6 +50,7 @@ def test_idle_scopes_are_forgotten_but_not_before_they_would_read_the_same():
         clock.now = MIDNIGHT + 86400 + 5
         await quota.reserve("tick2", [org("c")], 1)
         assert "org:b" not in quota._scopes
+
     run(main())
 
 

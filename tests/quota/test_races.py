@@ -1,5 +1,6 @@
 """1,000 concurrent reserves on a budget that fits exactly 10 admit exactly 10: through one client's connection
 pool, and through several separate clients (against real Redis), and on the memory backend."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,6 +26,7 @@ def test_thousand_concurrent_reserves_one_client(make_redis):
             assert {d.reason for d in decisions if not d.allowed} == {"tokens_per_minute"}
             left = await quota.remaining(_scopes()[0])
             assert 0 <= left.tokens < 100
+
     run(main())
 
 
@@ -32,11 +34,13 @@ def test_thousand_concurrent_reserves_many_clients(make_redis):
     async def main():
         quotas = [make_redis(**PATIENT) for _ in range(5)]
         try:
-            decisions = await asyncio.gather(*(quotas[i % len(quotas)].reserve(f"r{i}", _scopes(), 100)
-                                               for i in range(N)))
+            decisions = await asyncio.gather(
+                *(quotas[i % len(quotas)].reserve(f"r{i}", _scopes(), 100) for i in range(N))
+            )
             assert sum(d.allowed for d in decisions) == 10
         finally:
             await asyncio.gather(*(q.close() for q in quotas))
+
     run(main())
 
 
@@ -45,6 +49,7 @@ def test_thousand_concurrent_reserves_memory():
         async with opened(MemoryQuota) as quota:
             decisions = await asyncio.gather(*(quota.reserve(f"r{i}", _scopes(), 100) for i in range(N)))
             assert sum(d.allowed for d in decisions) == 10
+
     run(main())
 
 
@@ -54,4 +59,5 @@ def test_concurrency_race_admits_exactly_the_limit(make_redis):
             scope = [org(concurrent_requests=7)]
             decisions = await asyncio.gather(*(quota.reserve(f"r{i}", scope, 1) for i in range(300)))
             assert sum(d.allowed for d in decisions) == 7
+
     run(main())

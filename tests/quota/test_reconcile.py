@@ -1,5 +1,6 @@
 """Reconcile: exact refunds, charged shortfalls (debt), idempotence, released concurrency, lease expiry. Runs on
 both backends."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,6 +20,7 @@ def test_refund_is_exact(backend):
             left = await quota.remaining(scope)
             assert 500 <= left.tokens < 500 + RATE * 0.5  # 600 - 100 used, plus what refilled meanwhile
             assert left.tokens_today == 9_900
+
     run(main())
 
 
@@ -30,6 +32,7 @@ def test_refund_is_capped_at_capacity(backend):
             await asyncio.sleep(0.2)  # refills 2 of the 100
             await quota.reconcile(decision.reservation, 0)
             assert (await quota.remaining(scope)).tokens == 600
+
     run(main())
 
 
@@ -44,6 +47,7 @@ def test_shortfall_is_charged_as_debt(backend):
             refused = await quota.reserve("r1", [scope], 10)
             assert refused.reason == "tokens_per_minute" and 10.5 < refused.retry_after_s <= 11.0
             assert refused.headers["x-ratelimit-remaining-tokens"] == "0"
+
     run(main())
 
 
@@ -63,6 +67,7 @@ def test_reconcile_is_idempotent(backend):
             assert (await quota.reserve("r2", [scope], 10)).reason == "concurrent_requests"
             await quota.reconcile(other.reservation, 50)
             assert (await quota.reserve("r3", [scope], 10)).allowed
+
     run(main())
 
 
@@ -76,6 +81,7 @@ def test_reconcile_releases_concurrency_whatever_the_outcome(backend):
                 assert (await quota.reserve(outcome + "-2", [scope], 100)).reason == "concurrent_requests"
                 await quota.reconcile(decision.reservation, used)
                 assert (await quota.remaining(scope)).concurrent == 1
+
     run(main())
 
 
@@ -87,6 +93,7 @@ def test_lease_expiry_frees_a_slot_a_crashed_gateway_held(backend):
             assert not (await quota.reserve("r1", [scope], 1)).allowed
             await asyncio.sleep(0.35)
             assert (await quota.reserve("r2", [scope], 1)).allowed
+
     run(main())
 
 
@@ -97,5 +104,6 @@ def test_reservation_records_what_was_charged(backend):
             reservation = (await quota.reserve("r0", scopes, 42)).reservation
             assert reservation.request_id == "r0" and reservation.tokens == 42
             assert reservation.scopes == tuple(scopes) and reservation.backend == quota.name
-            assert reservation.day == datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+            assert reservation.day == datetime.datetime.now(datetime.UTC).date().isoformat()
+
     run(main())

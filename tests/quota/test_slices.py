@@ -1,5 +1,6 @@
 """Hot tenants split into slices: the share arithmetic, rebalancing toward demand, and under load the total admitted
 over a window never exceeds what one unsplit bucket allows (capacity + rate * window)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -63,6 +64,7 @@ def test_rebalance_moves_share_toward_demand(make_redis):
             assert await quotas[2].rebalancer("acme").rebalance_once() == pytest.approx(stored)
         finally:
             await _close(quotas)
+
     run(main())
 
 
@@ -87,6 +89,7 @@ def test_sliced_request_sizes_and_split_limits(make_redis):
             assert (await quotas[1].remaining(user(tokens_per_minute=60))).tokens == 20  # users split the same way
         finally:
             await _close(quotas)
+
     run(main())
 
 
@@ -113,8 +116,9 @@ def test_total_admitted_never_exceeds_the_tenant_limit(make_redis):
             start = time.time()
             left = sum([(await q.remaining(scope)).tokens for q in quotas])
             until = start + 2.0
-            heavy, light = await asyncio.gather(hammer(quotas[0], scope, until, 0, "h"),
-                                                hammer(quotas[1], scope, until, 0.05, "l"))
+            heavy, light = await asyncio.gather(
+                hammer(quotas[0], scope, until, 0, "h"), hammer(quotas[1], scope, until, 0.05, "l")
+            )
             window = time.time() - start
             assert heavy + light <= left + rate * window
             assert heavy > 1.5 * rate * window / N  # rebalanced: far above its even share
@@ -122,4 +126,5 @@ def test_total_admitted_never_exceeds_the_tenant_limit(make_redis):
             assert sum(shares) == pytest.approx(1) and shares[0] > 0.6
         finally:
             await _close(quotas)
+
     run(main())

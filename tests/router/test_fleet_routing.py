@@ -1,6 +1,7 @@
 """The router with real replica processes behind one gateway process: a replica killed or hung mid-stream (the
 response continues elsewhere, announced by a `retrying` event, metered once), drain, canary split, versions and
 aliases, deprecation, a conversation's turns finding their replica's prefix cache, and bad fleet files."""
+
 from __future__ import annotations
 
 import json
@@ -27,17 +28,31 @@ V1, V2, OLD = "tiny-2026-10-01", "tiny-2026-11-01", "tiny-2026-01-01"
 def fleet_file(model_dir, ports: list[int], gateway_port: int, path) -> dict:
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     config = {
-        "port": gateway_port, "admin_key": ADMIN_KEY, "database_url": f"sqlite:///{path.parent / 'fleet.db'}",
+        "port": gateway_port,
+        "admin_key": ADMIN_KEY,
+        "database_url": f"sqlite:///{path.parent / 'fleet.db'}",
         "models": [
-            {"name": V1, "path": str(model_dir), "aliases": ["tiny"],
-             "pools": [{"name": "near", "latency_ms": 1, "replicas": urls[:2]}]},
+            {
+                "name": V1,
+                "path": str(model_dir),
+                "aliases": ["tiny"],
+                "pools": [{"name": "near", "latency_ms": 1, "replicas": urls[:2]}],
+            },
             {"name": V2, "path": str(model_dir), "pools": [{"name": "near", "replicas": urls[2:]}]},
-            {"name": OLD, "path": str(model_dir), "deprecated_on": "2026-06-01",
-             "pools": [{"name": "near", "replicas": urls[2:]}]},
+            {
+                "name": OLD,
+                "path": str(model_dir),
+                "deprecated_on": "2026-06-01",
+                "pools": [{"name": "near", "replicas": urls[2:]}],
+            },
         ],
-        "routing": {"replica_timeout_s": 3, "load_interval_s": 0.2, "max_retries": 2,
-                    "health": {"check_interval_s": 0.5, "check_timeout_s": 0.5, "base_ejection_s": 3},
-                    "canary": [{"model": "tiny", "version": V2, "percent": {"default": 20}}]},
+        "routing": {
+            "replica_timeout_s": 3,
+            "load_interval_s": 0.2,
+            "max_retries": 2,
+            "health": {"check_interval_s": 0.5, "check_timeout_s": 0.5, "base_ejection_s": 3},
+            "canary": [{"model": "tiny", "version": V2, "percent": {"default": 20}}],
+        },
     }
     path.write_text(yaml.safe_dump(config))
     return config
@@ -49,18 +64,36 @@ def fleet(demo_model_dir, tmp_path_factory):
     ports, gateway_port = [free_port() for _ in range(3)], free_port()
     names = [V1, V1, V2]
     fleet_file(demo_model_dir, ports, gateway_port, logs / "fleet.yaml")
-    procs = [subprocess.Popen([sys.executable, "-m", "tokenfleet", *replica_args(demo_model_dir, p)[:-2],
-                               "--served-model-name", n], stdout=open(logs / f"r{i}.log", "wb"),
-                              stderr=subprocess.STDOUT) for i, (p, n) in enumerate(zip(ports, names))]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tokenfleet", *replica_args(demo_model_dir, p)[:-2], "--served-model-name", n],
+            stdout=open(logs / f"r{i}.log", "wb"),
+            stderr=subprocess.STDOUT,
+        )
+        for i, (p, n) in enumerate(zip(ports, names))
+    ]
     for proc, port in zip(procs, ports):
-        wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200, 120, proc)
-    with running_process(["gateway", "--config", str(logs / "fleet.yaml")],
-                         f"http://127.0.0.1:{gateway_port}/health", logs / "gateway.log"):
+        wait_for(
+            lambda port=port: httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200, 120, proc
+        )
+    with running_process(
+        ["gateway", "--config", str(logs / "fleet.yaml")],
+        f"http://127.0.0.1:{gateway_port}/health",
+        logs / "gateway.log",
+    ):
         base = f"http://127.0.0.1:{gateway_port}"
-        key = httpx.post(f"{base}/admin/v1/keys", json={"org": "acme", "user": "ann", "tier": "paid"},
-                         headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()["key"]
-        yield {"base": base, "key": key, "replicas": [f"http://127.0.0.1:{p}" for p in ports], "procs": procs,
-               "log": logs / "gateway.log"}
+        key = httpx.post(
+            f"{base}/admin/v1/keys",
+            json={"org": "acme", "user": "ann", "tier": "paid"},
+            headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+        ).json()["key"]
+        yield {
+            "base": base,
+            "key": key,
+            "replicas": [f"http://127.0.0.1:{p}" for p in ports],
+            "procs": procs,
+            "log": logs / "gateway.log",
+        }
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGCONT)
@@ -83,14 +116,25 @@ def wait_for(check, timeout: float, proc=None) -> None:
 
 
 def body(model: str, max_tokens: int, content: str = "Tell me a story", **extra) -> dict:
-    return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, **extra}
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        **extra,
+    }
 
 
 def sdk(model: str, max_tokens: int) -> dict:
     """body() as keyword arguments of the openai SDK (vLLM's ignore_eos goes in extra_body)."""
-    return {"model": model, "messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": max_tokens,
-            "temperature": 0, "extra_body": {"ignore_eos": True}}
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "Tell me a story"}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
 
 
 def serving(fleet, among: range) -> int:
@@ -107,8 +151,13 @@ def serving(fleet, among: range) -> int:
 def stream_until_killed(fleet, stop_replica) -> tuple[list, dict]:
     """Streams a long response, stops the replica serving it after a few events, reads on to the end."""
     headers = {"Authorization": f"Bearer {fleet['key']}"}
-    with httpx.stream("POST", f"{fleet['base']}/v1/chat/completions", headers=headers, timeout=60,
-                      json=body(V1, 300, stream=True, stream_options={"include_usage": True})) as response:
+    with httpx.stream(
+        "POST",
+        f"{fleet['base']}/v1/chat/completions",
+        headers=headers,
+        timeout=60,
+        json=body(V1, 300, stream=True, stream_options={"include_usage": True}),
+    ) as response:
         lines, events, victim = response.iter_lines(), [], None
         raw = []
         for line in lines:
@@ -138,6 +187,7 @@ def wait_all_healthy(fleet) -> None:
     def healthy() -> bool:
         replicas = httpx.get(f"{fleet['base']}/admin/v1/replicas", headers=admin).json()["data"][V1]
         return all(r["health"] == "closed" for r in replicas)
+
     wait_for(healthy, 30)
 
 
@@ -166,8 +216,7 @@ def test_canary_takes_its_share_and_pinned_versions_stay(fleet):
     headers = {"Authorization": f"Bearer {fleet['key']}"}
 
     def model_of(request_body: dict) -> str:
-        response = httpx.post(f"{fleet['base']}/v1/chat/completions", json=request_body, headers=headers,
-                              timeout=30)
+        response = httpx.post(f"{fleet['base']}/v1/chat/completions", json=request_body, headers=headers, timeout=30)
         assert response.status_code == 200, response.text
         return response.headers["x-tokenfleet-model"]
 
@@ -196,8 +245,12 @@ def test_a_conversation_finds_its_replica_cache_again(fleet):
     cached = []
     for turn in range(4):
         history.append({"role": "user", "content": f"Question number {turn}: tell me more about item {turn}."})
-        response = httpx.post(f"{fleet['base']}/v1/chat/completions", headers=headers, timeout=30, json={
-            "model": V2, "messages": history, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        response = httpx.post(
+            f"{fleet['base']}/v1/chat/completions",
+            headers=headers,
+            timeout=30,
+            json={"model": V2, "messages": history, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+        )
         assert response.status_code == 200, response.text
         reply = response.json()
         cached.append(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
@@ -209,36 +262,50 @@ def test_drain_lets_streams_finish_and_sends_new_work_elsewhere(fleet):
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     target = fleet["replicas"][2]
     headers = {"Authorization": f"Bearer {fleet['key']}"}
-    with httpx.stream("POST", f"{fleet['base']}/v1/chat/completions", headers=headers, timeout=60,
-                      json=body(V2, 200, stream=True)) as response:
+    with httpx.stream(
+        "POST", f"{fleet['base']}/v1/chat/completions", headers=headers, timeout=60, json=body(V2, 200, stream=True)
+    ) as response:
         lines = response.iter_lines()
         first = [next(lines)]
-        drained = httpx.post(f"{fleet['base']}/admin/v1/replicas/drain", headers=admin,
-                             json={"replica": target, "draining": True})
+        drained = httpx.post(
+            f"{fleet['base']}/admin/v1/replicas/drain", headers=admin, json={"replica": target, "draining": True}
+        )
         assert drained.status_code == 200, drained.text
         events = parse_events(first + list(lines))
     assert events[-1][1] == "[DONE]" and len(events) == 201, "the in-flight stream finished on the draining replica"
     refused = httpx.post(f"{fleet['base']}/v1/chat/completions", headers=headers, json=body(V2, 2), timeout=30)
     assert refused.status_code == 503, "V2 has no other replica: new work is refused, not sent to the drainer"
     httpx.post(f"{fleet['base']}/admin/v1/replicas/drain", headers=admin, json={"replica": target, "draining": False})
-    assert httpx.post(f"{fleet['base']}/v1/chat/completions", headers=headers, json=body(V2, 2),
-                      timeout=30).status_code == 200
+    assert (
+        httpx.post(f"{fleet['base']}/v1/chat/completions", headers=headers, json=body(V2, 2), timeout=30).status_code
+        == 200
+    )
     assert "replica http://127.0.0.1" in fleet["log"].read_text() and "draining" in fleet["log"].read_text()
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"routing": {"canary": [{"model": "tiny", "version": "nope", "percent": {"default": 5}}]}},
-     "canary names an unknown model"),
-    ({"models": [{"name": "m", "path": "/nonexistent"}]}, "no checkpoint"),
-    ({"models": [{"name": "m", "path": "/x", "pools": [{"replicas": ["localhost:9"]}]}]}, "is not an http"),
-    ({"routing": {"policy": "random"}}, "policy must be one of"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {"routing": {"canary": [{"model": "tiny", "version": "nope", "percent": {"default": 5}}]}},
+            "canary names an unknown model",
+        ),
+        ({"models": [{"name": "m", "path": "/nonexistent"}]}, "no checkpoint"),
+        ({"models": [{"name": "m", "path": "/x", "pools": [{"replicas": ["localhost:9"]}]}]}, "is not an http"),
+        ({"routing": {"policy": "random"}}, "policy must be one of"),
+    ],
+)
 def test_bad_fleet_files_are_clear_start_up_errors(demo_model_dir, tmp_path, change, message):
     config = fleet_file(demo_model_dir, [free_port()] * 3, free_port(), tmp_path / "fleet.yaml")
     config.update(change)
     (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(config))
-    result = subprocess.run([sys.executable, "-m", "tokenfleet", "gateway", "--config", str(tmp_path / "fleet.yaml")],
-                            capture_output=True, text=True, timeout=60, env={**os.environ})
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenfleet", "gateway", "--config", str(tmp_path / "fleet.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ},
+    )
     assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr, "a configuration mistake is a message, not a crash"
 
@@ -248,13 +315,24 @@ def test_an_unreachable_replica_is_ejected_and_the_gateway_keeps_serving(demo_mo
     config = fleet_file(demo_model_dir, [live, dead, live], gateway_port, tmp_path / "fleet.yaml")
     config["routing"]["canary"] = []
     (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(config))
-    with running_process(replica_args(demo_model_dir, live)[:-2] + ["--served-model-name", V1],
-                         f"http://127.0.0.1:{live}/health", tmp_path / "live.log"), \
-            running_process(["gateway", "--config", str(tmp_path / "fleet.yaml")],
-                            f"http://127.0.0.1:{gateway_port}/health", tmp_path / "gateway.log"):
+    with (
+        running_process(
+            replica_args(demo_model_dir, live)[:-2] + ["--served-model-name", V1],
+            f"http://127.0.0.1:{live}/health",
+            tmp_path / "live.log",
+        ),
+        running_process(
+            ["gateway", "--config", str(tmp_path / "fleet.yaml")],
+            f"http://127.0.0.1:{gateway_port}/health",
+            tmp_path / "gateway.log",
+        ),
+    ):
         base = f"http://127.0.0.1:{gateway_port}"
-        key = httpx.post(f"{base}/admin/v1/keys", json={"org": "a", "user": "b", "tier": "paid"},
-                         headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()["key"]
+        key = httpx.post(
+            f"{base}/admin/v1/keys",
+            json={"org": "a", "user": "b", "tier": "paid"},
+            headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+        ).json()["key"]
         client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
         for _ in range(6):
             assert client.chat.completions.create(**sdk(V1, 2)).usage.completion_tokens == 2
@@ -271,18 +349,38 @@ def test_replicas_join_and_leave_a_running_fleet_through_redis(demo_model_dir, t
     config = fleet_file(demo_model_dir, [], gateway_port, tmp_path / "fleet.yaml")
     config["models"] = [{"name": V1, "path": str(demo_model_dir), "pools": [{"name": "near"}]}]
     config["routing"] = {"register_prefix": prefix + "replicas:", "canary": []}
-    config.update({"redis_url": "redis://127.0.0.1:6379/0", "redis_prefix": prefix + "stream:",
-                   "quota": {"prefix": prefix + "quota:"}})
+    config.update(
+        {
+            "redis_url": "redis://127.0.0.1:6379/0",
+            "redis_prefix": prefix + "stream:",
+            "quota": {"prefix": prefix + "quota:"},
+        }
+    )
     (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(config))
     replica = replica_args(demo_model_dir, port)[:-2] + [
-        "--served-model-name", V1, "--register", "redis://127.0.0.1:6379/0", "--registry-prefix",
-        prefix + "replicas:", "--registry-ttl", "1", "--pool", "near"]
+        "--served-model-name",
+        V1,
+        "--register",
+        "redis://127.0.0.1:6379/0",
+        "--registry-prefix",
+        prefix + "replicas:",
+        "--registry-ttl",
+        "1",
+        "--pool",
+        "near",
+    ]
     try:
-        with running_process(["gateway", "--config", str(tmp_path / "fleet.yaml")],
-                             f"http://127.0.0.1:{gateway_port}/health", tmp_path / "gateway.log"):
+        with running_process(
+            ["gateway", "--config", str(tmp_path / "fleet.yaml")],
+            f"http://127.0.0.1:{gateway_port}/health",
+            tmp_path / "gateway.log",
+        ):
             base = f"http://127.0.0.1:{gateway_port}"
-            key = httpx.post(f"{base}/admin/v1/keys", json={"org": "a", "user": "b", "tier": "paid"},
-                             headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()["key"]
+            key = httpx.post(
+                f"{base}/admin/v1/keys",
+                json={"org": "a", "user": "b", "tier": "paid"},
+                headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+            ).json()["key"]
             client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
             with pytest.raises(openai.APIStatusError) as empty:
                 client.chat.completions.create(**sdk(V1, 2))

@@ -1,5 +1,6 @@
 """The router's per-replica circuit breaker: ejection, growing ejection times, half-open probes, slow-TTFT outliers,
 the pool's ejection cap, and active /health checks against real HTTP servers."""
+
 from __future__ import annotations
 
 import asyncio
@@ -215,12 +216,11 @@ class FakeReplica:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         app = Starlette(routes=[Route(path, self._handle) for path in self.modes])
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                timeout_graceful_shutdown=1)
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=1)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def __enter__(self) -> "FakeReplica":
+    def __enter__(self) -> FakeReplica:
         self.thread.start()
         deadline = time.monotonic() + 10
         while not self.server.started:
@@ -256,9 +256,10 @@ async def wait_for_state(health: HealthTracker, name: str, state: str, timeout_s
     return time.monotonic() - started
 
 
-def test_active_checks_eject_a_failing_replica_and_restore_it_through_half_open(caplog):
-    settings = HealthSettings(check_interval_s=0.05, check_timeout_s=0.5, consecutive_failures=2,
-                              base_ejection_s=0.5)
+def test_active_checks_eject_a_failing_replica_and_readmit_it_on_the_first_passing_check(caplog):
+    """An ejected replica is still checked: as soon as /health passes it is back, not when its (here 30 s)
+    ejection time is over. A replica that came up late was kept out for its whole, growing ejection time."""
+    settings = HealthSettings(check_interval_s=0.05, check_timeout_s=0.5, consecutive_failures=2, base_ejection_s=30.0)
     health = HealthTracker(settings)
 
     async def scenario(replica: FakeReplica) -> None:
@@ -273,10 +274,11 @@ def test_active_checks_eject_a_failing_replica_and_restore_it_through_half_open(
                 await wait_for_state(health, "r1", "open", 2.0)
                 assert health.snapshot()["r1"]["last_failure"] == "5xx: GET /health answered 500"
                 hits = replica.hits["/health"]
-                await asyncio.sleep(0.2)  # ejected: no checks until its time is up
-                assert replica.hits["/health"] == hits
+                await asyncio.sleep(0.3)
+                assert replica.hits["/health"] > hits, "an ejected replica is still checked"
+                assert health.state("r1") == "open", "failing checks keep it out"
                 replica.modes["/health"] = "ok"
-                await wait_for_state(health, "r1", "closed", 2.0)
+                assert await wait_for_state(health, "r1", "closed", 2.0) < 2.0
             finally:
                 checks.cancel()
                 with pytest.raises(asyncio.CancelledError):
@@ -285,8 +287,29 @@ def test_active_checks_eject_a_failing_replica_and_restore_it_through_half_open(
     with caplog.at_level(logging.INFO, logger="tokenfleet.router.health"), FakeReplica() as replica:
         asyncio.run(scenario(replica))
     changes = [m for m in (r.getMessage() for r in caplog.records) if "r1:" in m]
-    assert [m.split("(")[0].split(": ")[1].strip() for m in changes] == [
-        "closed -> open", "open -> half_open", "half_open -> closed"]
+    assert [m.split("(")[0].split(": ")[1].strip() for m in changes] == ["closed -> open", "open -> closed"]
+    assert "active health check passed" in changes[-1]
+
+
+def test_a_replica_ejected_as_slow_waits_for_its_probe_despite_passing_checks():
+    """/health answers fast on a replica whose first tokens are slow: only a probe after the ejection time
+    (here the active check, once half-open) lets it back."""
+    health, clock = tracker(names=(), consecutive_failures=1, base_ejection_s=10.0)
+
+    async def check_once() -> None:
+        async with httpx.AsyncClient() as client:
+            await health.check_all(client)
+
+    with FakeReplica() as replica:
+        health.add("slow", replica.url)
+        health.add("other", None)
+        health.record_failure("slow", "slow", "ttft 9.000s")
+        assert health.state("slow") == "open"
+        asyncio.run(check_once())
+        assert replica.hits["/health"] == 1 and health.state("slow") == "open"
+        clock.advance(10.0)
+        asyncio.run(check_once())
+        assert health.state("slow") == "closed"
 
 
 def test_a_hanging_health_endpoint_fails_within_the_timeout():

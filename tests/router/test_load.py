@@ -1,5 +1,6 @@
 """Load reports over real HTTP: our replica's /load, vLLM / SGLang Prometheus text, failures that must not hang,
 and the poller that keeps the last good report per replica."""
+
 from __future__ import annotations
 
 import asyncio
@@ -91,13 +92,17 @@ sglang:token_usage{{{MODEL}}} 0.28
 def replica_load() -> dict:
     """The real replica's load_report over a stand-in engine: 2 running (one still prefilling 300 tokens),
     1 waiting with a 500-token prompt, 1 swapped out with 40 tokens to recompute."""
+
     def request(status: RequestStatus, uncomputed: int) -> SimpleNamespace:
         return SimpleNamespace(status=status, num_uncomputed_tokens=uncomputed)
 
     engine = SimpleNamespace(
-        scheduler=SimpleNamespace(running=[request(RequestStatus.RUNNING, 1), request(RequestStatus.RUNNING, 300)],
-                                  queue=[request(RequestStatus.WAITING, 500), request(RequestStatus.SWAPPED, 40)]),
-        blocks=SimpleNamespace(usage=lambda: 0.625, num_blocks=4096))
+        scheduler=SimpleNamespace(
+            running=[request(RequestStatus.RUNNING, 1), request(RequestStatus.RUNNING, 300)],
+            queue=[request(RequestStatus.WAITING, 500), request(RequestStatus.SWAPPED, 40)],
+        ),
+        blocks=SimpleNamespace(usage=lambda: 0.625, num_blocks=4096),
+    )
     return load_report(engine)
 
 
@@ -105,6 +110,7 @@ def fetch(url: str, kind: str = "tokenfleet", timeout_s: float = 1.0):
     async def go():
         async with httpx.AsyncClient() as client:
             return await fetch_load(client, url, kind, timeout_s)
+
     return asyncio.run(go())
 
 

@@ -5,8 +5,15 @@ from collections import Counter
 
 import pytest
 
-from tokenfleet.router.policy import (TOKENS_PER_SLOT, CacheAwarePolicy, Choice, LeastLoadedPolicy,
-                                      NoReplicaAvailable, ReplicaState, RoundRobinPolicy)
+from tokenfleet.router.policy import (
+    TOKENS_PER_SLOT,
+    CacheAwarePolicy,
+    Choice,
+    LeastLoadedPolicy,
+    NoReplicaAvailable,
+    ReplicaState,
+    RoundRobinPolicy,
+)
 from tokenfleet.router.prefix import prompt_hashes
 
 
@@ -64,9 +71,11 @@ def test_queued_prefill_below_a_slot_does_not_push_the_holder_over_the_bound() -
 
 def test_new_prefixes_spread_over_the_ring_even_when_the_load_reports_are_stale() -> None:
     """Failure mode (b): misses must not all go to whichever replica looked least loaded at that instant."""
+
     def spread(policy) -> Counter:
         replicas = pool(r1=1, r2=1, r3=1)  # never updated, like a report between two polls
         return Counter(policy.choose(replicas, tokens(64, seed=s)).replica for s in range(400))
+
     assert spread(LeastLoadedPolicy()) == Counter({"r0": 400})
     counts = spread(CacheAwarePolicy())
     assert len(counts) == 4 and max(counts.values()) <= 0.35 * 400, counts

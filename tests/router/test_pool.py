@@ -1,5 +1,6 @@
 """Choosing among a model's pools and replicas: the nearest pool with room, the next one when it is full or
 unhealthy, draining replicas skipped, the fallback model when none is left, and registry changes applied."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,12 +13,19 @@ from tokenfleet.router.settings import RoutingSettings
 
 
 def router(fallback: bool = False) -> Router:
-    big = ModelSpec("big", "/x", pools=[PoolSpec("near", ["http://near-1", "http://near-2"], latency_ms=5),
-                                        PoolSpec("far", ["http://far-1"], latency_ms=80)],
-                    fallback="small" if fallback else None)
+    big = ModelSpec(
+        "big",
+        "/x",
+        pools=[
+            PoolSpec("near", ["http://near-1", "http://near-2"], latency_ms=5),
+            PoolSpec("far", ["http://far-1"], latency_ms=80),
+        ],
+        fallback="small" if fallback else None,
+    )
     small = ModelSpec("small", "/x", pools=[PoolSpec("near", ["http://small-1"])])
-    r = Router(ModelCatalog([big, small]), RoutingSettings(), slots_per_replica=2,
-               make_upstream=lambda url, name, kind: url)
+    r = Router(
+        ModelCatalog([big, small]), RoutingSettings(), slots_per_replica=2, make_upstream=lambda url, name, kind: url
+    )
     r.add_configured_replicas()
     return r
 
@@ -44,9 +52,25 @@ def test_unhealthy_and_draining_replicas_are_skipped():
     pools.set_draining("http://near-2")
     assert {pools.choose(list(range(30 + i)))[0].name for i in range(5)} == {"http://far-1"}
     pools.set_draining("http://far-1")
+    pools.set_draining("http://near-1")
     assert not pools.can_serve()
     with pytest.raises(NoReplicaAvailable):
         pools.choose([1, 2, 3])
+
+
+def test_with_no_healthy_replica_left_the_ejected_ones_are_tried():
+    """Envoy's panic mode: a request whose other replicas just failed goes to an ejected one rather than failing
+    for sure (a replica ejected while it was starting up sat healthy and idle while every stream failed)."""
+    r = router()
+    pools = r.models["big"]
+    for _ in range(3):
+        r.health.record_failure("http://near-1", "connect")
+    assert r.health.state("http://near-1") == "open"
+    assert pools.can_serve()
+    replica, choice = pools.choose([1, 2, 3], exclude=["http://near-2", "http://far-1"])
+    assert replica.name == "http://near-1" and choice.reason.startswith("panic:")
+    replica, choice = pools.choose([1, 2, 3])
+    assert replica.name != "http://near-1" and not choice.reason.startswith("panic"), "healthy ones come first"
 
 
 def test_a_model_with_no_healthy_replica_falls_back_to_its_fallback_model():

@@ -45,7 +45,7 @@ def test_matches_is_each_replicas_deepest_listed_block_of_the_matched_prefix() -
         index = PrefixIndex(max_entries=60, replicas_per_block=rng.choice([1, 2, 4]))
         for _ in range(rng.randrange(1, 12)):
             prompt = rng.choice(prompts)
-            index.record(prompt[:rng.randrange(1, 31)], rng.choice("abcde"))
+            index.record(prompt[: rng.randrange(1, 31)], rng.choice("abcde"))
         for prompt in prompts:
             expected: dict[str, int] = {}
             for depth, key in enumerate(prompt, start=1):

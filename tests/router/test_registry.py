@@ -1,5 +1,6 @@
 """The replica registry against a real Redis: announce, heartbeat expiry (a kill -9), withdraw, draining, watch
 events, Redis outages; and real `tokenfleet replica --register` processes joining and leaving."""
+
 from __future__ import annotations
 
 import asyncio
@@ -263,8 +264,21 @@ def test_replica_flags_and_the_advertised_url():
     assert default_advertise_url("::1", 8100) == "http://[::1]:8100"
     wildcard = default_advertise_url("0.0.0.0", 8100)
     assert wildcard.startswith("http://") and wildcard.endswith(":8100") and "0.0.0.0" not in wildcard
-    args = build_parser().parse_args(["replica", "--model", "m", "--port", "8101", "--register", REDIS_URL,
-                                      "--advertise-url", "http://replica-7.fleet:8101/", "--pool", "eu-west"])
+    args = build_parser().parse_args(
+        [
+            "replica",
+            "--model",
+            "m",
+            "--port",
+            "8101",
+            "--register",
+            REDIS_URL,
+            "--advertise-url",
+            "http://replica-7.fleet:8101/",
+            "--pool",
+            "eu-west",
+        ]
+    )
     registration = registration_from_args(args, "demo-2026-10-01")
     assert registration.record.name == "replica-7.fleet:8101"
     assert registration.record.url == "http://replica-7.fleet:8101"
@@ -274,6 +288,7 @@ def test_replica_flags_and_the_advertised_url():
 
 
 # --- real replica processes -------------------------------------------------------------------------------------
+
 
 def snapshot(prefix: str) -> dict[str, ReplicaRecord]:
     async def read():
@@ -298,8 +313,12 @@ def wait_for(check, timeout: float, what: str):
 def spawn(args: list[str], log_path: Path):
     """Starts `python -m tokenfleet ARGS` without waiting, so several can load their models at once."""
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tokenfleet", *args], stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tokenfleet", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     try:
         yield proc
     finally:
@@ -312,8 +331,10 @@ def hold_open_request(port: int) -> tuple[socket.socket, bytes]:
     """Sends a completion request's headers and half its body: the request is in flight until the rest is sent."""
     body = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 4}).encode()
     sock = socket.create_connection(("127.0.0.1", port))
-    head = (f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\n\r\n").encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    ).encode()
     sock.sendall(head + body[:10])
     return sock, body[10:]
 
@@ -326,14 +347,14 @@ def read_response(sock: socket.socket) -> bytes:
     return data
 
 
-def test_replica_processes_join_expire_when_killed_and_drain_then_withdraw_on_sigterm(demo_model_dir, prefix,
-                                                                                       tmp_path):
+def test_replica_processes_join_expire_when_killed_and_drain_then_withdraw_on_sigterm(demo_model_dir, prefix, tmp_path):
     ports = [free_port(), free_port()]
     names = [f"127.0.0.1:{p}" for p in ports]
     extra = ["--register", REDIS_URL, "--registry-prefix", prefix, "--registry-ttl", str(TTL_S)]
     with ExitStack() as stack:
-        killed, termed = (stack.enter_context(spawn(replica_args(demo_model_dir, p) + extra, tmp_path / f"{p}.log"))
-                          for p in ports)
+        killed, termed = (
+            stack.enter_context(spawn(replica_args(demo_model_dir, p) + extra, tmp_path / f"{p}.log")) for p in ports
+        )
         for proc, port in zip((killed, termed), ports):
             wait_healthy(proc, f"http://127.0.0.1:{port}/health", tmp_path / f"{port}.log", 120)
         live = wait_for(lambda: len(snapshot(prefix)) == 2 and snapshot(prefix), 5, "both replicas registered")

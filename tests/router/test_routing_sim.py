@@ -1,24 +1,41 @@
 """Multi-turn chat under the three routing policies, in the fleet simulator (tokenfleet/sim): each replica runs the
 engine's real scheduler and KVBlockManager (prefix cache, LRU eviction, on a cache of limited size) with the step
 times of a cost model, and the router's real policies choose among them. Deterministic (seeded), in process."""
+
 from __future__ import annotations
 
 from tokenfleet.sim import config
 from tokenfleet.sim.fleet import Fleet
 
 BLOCKS_PER_REPLICA = 2000  # 32k tokens of KV per replica; the active conversations need more than one replica's
-RAW = {"seed": 0, "duration_s": 150, "warmup_s": 0, "drain_s": 120,
-       "fleet": {"replicas": 4, "gpu": "h100", "tensor_parallel": 1, "model": "llama-8b", "weight_dtype": "fp16"},
-       "engine": {"num_blocks": BLOCKS_PER_REPLICA},
-       # three shared system prompts, five turns per conversation on average, a few seconds between turns
-       "workload": {"rate": 8, "system_prompts": 3, "turns_mean": 5, "think_time_s": 3, "cancel_probability": 0,
-                    "output_tokens_mean": 150, "tiers": {"paid": 1}},
-       "gateway": {"quota": False, "overload": {"ttft_target_s": 1e9}}}
+RAW = {
+    "seed": 0,
+    "duration_s": 150,
+    "warmup_s": 0,
+    "drain_s": 120,
+    "fleet": {"replicas": 4, "gpu": "h100", "tensor_parallel": 1, "model": "llama-8b", "weight_dtype": "fp16"},
+    "engine": {"num_blocks": BLOCKS_PER_REPLICA},
+    # three shared system prompts, five turns per conversation on average, a few seconds between turns
+    "workload": {
+        "rate": 8,
+        "system_prompts": 3,
+        "turns_mean": 5,
+        "think_time_s": 3,
+        "cancel_probability": 0,
+        "output_tokens_mean": 150,
+        "tiers": {"paid": 1},
+    },
+    "gateway": {"quota": False, "overload": {"ttft_target_s": 1e9}},
+}
 
 
 def _fleet(policy: str, replicas: int = 4, blocks: int = BLOCKS_PER_REPLICA, affinity: bool = False) -> Fleet:
-    raw = {**RAW, "fleet": {**RAW["fleet"], "replicas": replicas}, "engine": {"num_blocks": blocks},
-           "routing": {"policy": policy, "affinity": affinity}}
+    raw = {
+        **RAW,
+        "fleet": {**RAW["fleet"], "replicas": replicas},
+        "engine": {"num_blocks": blocks},
+        "routing": {"policy": policy, "affinity": affinity},
+    }
     return Fleet(config.parse(raw))
 
 

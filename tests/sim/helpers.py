@@ -1,4 +1,5 @@
 """A single simulated replica driven by a list of requests, for the replica tests."""
+
 from __future__ import annotations
 
 import random
@@ -7,11 +8,19 @@ from tokenfleet.engine.kv_blocks import prefix_block_hashes
 from tokenfleet.engine.scheduler import SchedulerConfig
 from tokenfleet.sim.cost_model import CostModel, StepCoefficients
 from tokenfleet.sim.events import EventQueue, SimClock
-from tokenfleet.sim.records import SimRequest
 from tokenfleet.sim.replica import ReplicaSpec, SimReplica
+from tokenfleet.sim.request import SimRequest
 
-COST = CostModel(StepCoefficients(overhead_s=2e-3, per_sequence_s=1e-5, per_token_s=2e-5, per_attention_pair_s=1e-9,
-                                  weights_s=5e-3, per_kv_token_s=2e-8))
+COST = CostModel(
+    StepCoefficients(
+        overhead_s=2e-3,
+        per_sequence_s=1e-5,
+        per_token_s=2e-5,
+        per_attention_pair_s=1e-9,
+        weights_s=5e-3,
+        per_kv_token_s=2e-8,
+    )
+)
 
 
 class Collect:
@@ -27,8 +36,14 @@ class Collect:
     def finished(self, sreq, now, reason):
         step = self.replica._step[0] if self.replica._step else self.replica.step_no
         self.finished_step[sreq.rid] = step
-        self.done[sreq.rid] = (round(sreq.first_token or -1, 12), round(now, 12), reason, sreq.tokens_out,
-                               sreq.preemptions, sreq.cached_tokens)
+        self.done[sreq.rid] = (
+            round(sreq.first_token or -1, 12),
+            round(now, 12),
+            reason,
+            sreq.tokens_out,
+            sreq.preemptions,
+            sreq.cached_tokens,
+        )
 
     def inter_token(self, tier, gap, count):
         self.gaps.append((tier, round(gap, 12), count))
@@ -50,21 +65,45 @@ def make_requests(seed: int, n: int, rate: float, shared: int = 256, priorities=
         answer = [7_000_000 + i * 1000 + j for j in range(rng.randint(5, 300))]
         pr = rng.choice(priorities)
         cancel = rng.uniform(0.05, 2.0) if rng.random() < 0.1 else None
-        out.append(SimRequest(f"r{i}", ("paid", "free", "batch")[pr], "org", "u", pr, prompt, answer,
-                              prefix_block_hashes(prompt + answer, 16), t, cancel_after=cancel))
+        out.append(
+            SimRequest(
+                f"r{i}",
+                ("paid", "free", "batch")[pr],
+                "org",
+                "u",
+                pr,
+                prompt,
+                answer,
+                prefix_block_hashes(prompt + answer, 16),
+                t,
+                cancel_after=cancel,
+            )
+        )
     return out
 
 
-def run_replica(requests: list[SimRequest], num_blocks: int = 400, fast: bool = True, host_blocks: int = 200,
-                max_num_seqs: int = 32, budget: int = 512, swap_threshold: int = 128, at_once: bool = False,
-                runs: bool = True, before=None):
+def run_replica(
+    requests: list[SimRequest],
+    num_blocks: int = 400,
+    fast: bool = True,
+    host_blocks: int = 200,
+    max_num_seqs: int = 32,
+    budget: int = 512,
+    swap_threshold: int = 128,
+    at_once: bool = False,
+    runs: bool = True,
+    before=None,
+):
     """Runs the requests on one replica; at_once: all queued before the first step (an offline batch); runs:
     runs of parked steps as one event; before(events, replica): called before the run (to schedule probes)."""
     clock = SimClock()
     events = EventQueue(clock)
     sink = Collect()
-    spec = ReplicaSpec(num_blocks=num_blocks, num_host_blocks=host_blocks,
-                       scheduler=SchedulerConfig(max_num_seqs, budget, swap_threshold))
+    spec = ReplicaSpec(
+        num_blocks=num_blocks,
+        num_host_blocks=host_blocks,
+        scheduler=SchedulerConfig(max_num_seqs, budget, swap_threshold),
+    )
     replica = SimReplica("r0", spec, COST, events, sink, fast=fast)
     replica.runs = runs
     sink.replica = replica

@@ -1,5 +1,6 @@
 """The real autoscaler (tokenfleet/autoscale/policy.py) driving a simulated fleet: it scales ahead of a forecast peak,
 a drained replica finishes its requests before it is removed, and GPU time counts from launch to removal."""
+
 from __future__ import annotations
 
 import json
@@ -12,18 +13,41 @@ from tokenfleet.cli import main
 from tokenfleet.sim import config
 from tokenfleet.sim.autoscaling import ScaledFleet, ScalingSetup, forecast_from_workload
 from tokenfleet.sim.fleet import Fleet
-from tokenfleet.sim.records import SimRequest
+from tokenfleet.sim.request import SimRequest
 from tokenfleet.sim.timeline import TimelineMetrics
 
 PEAK_S = 400.0
-DAY = {"seed": 2, "duration_s": 800, "warmup_s": 0, "drain_s": 120,
-       "fleet": {"replicas": 1, "gpu": "h100", "tensor_parallel": 1, "model": "llama-8b", "weight_dtype": "fp16",
-                 "cost": {"overhead_s": 0.002, "per_sequence_s": 1e-5, "per_token_s": 2.5e-4,
-                          "per_attention_pair_s": 0.0, "weights_s": 0.02, "per_kv_token_s": 1e-8}},
-       # a slow replica (a prefill of 1,000 tokens takes 0.25 s), so that a handful of them carry the peak
-       "workload": {"rate": 5, "diurnal_amplitude": 0.8, "diurnal_period_s": 800, "peak_at_s": PEAK_S,
-                    "think_time_s": 5, "output_tokens_mean": 200},
-       "gateway": {"quota": False}}
+DAY = {
+    "seed": 2,
+    "duration_s": 800,
+    "warmup_s": 0,
+    "drain_s": 120,
+    "fleet": {
+        "replicas": 1,
+        "gpu": "h100",
+        "tensor_parallel": 1,
+        "model": "llama-8b",
+        "weight_dtype": "fp16",
+        "cost": {
+            "overhead_s": 0.002,
+            "per_sequence_s": 1e-5,
+            "per_token_s": 2.5e-4,
+            "per_attention_pair_s": 0.0,
+            "weights_s": 0.02,
+            "per_kv_token_s": 1e-8,
+        },
+    },
+    # a slow replica (a prefill of 1,000 tokens takes 0.25 s), so that a handful of them carry the peak
+    "workload": {
+        "rate": 5,
+        "diurnal_amplitude": 0.8,
+        "diurnal_period_s": 800,
+        "peak_at_s": PEAK_S,
+        "think_time_s": 5,
+        "output_tokens_mean": 200,
+    },
+    "gateway": {"quota": False},
+}
 POOL = {"min_replicas": 1, "max_replicas": 8, "target_in_flight": 12, "replica_rps": 2.5}
 
 
@@ -43,8 +67,15 @@ def _run(mode: str, raw: dict = DAY, cold_start_s: float = 60.0, **settings) -> 
     setup = config.parse(raw)
     fleet = Fleet(setup)
     fleet.metrics = _KeptMetrics(setup.slo, setup.warmup_s, bin_s=50)
-    options = {"mode": mode, "interval_s": 5, "cold_start_s": cold_start_s, "scale_down_delay_s": 60,
-               "cooldown_s": 30, "pools": {"sim": POOL}, **settings}
+    options = {
+        "mode": mode,
+        "interval_s": 5,
+        "cold_start_s": cold_start_s,
+        "scale_down_delay_s": 60,
+        "cooldown_s": 30,
+        "pools": {"sim": POOL},
+        **settings,
+    }
     return ScaledFleet(fleet, ScalingSetup(AutoscaleSettings(**options), cold_start_s=cold_start_s)).run()
 
 
@@ -67,8 +98,9 @@ def _nothing_dropped(run: ScaledFleet) -> None:
     assert len(fleet.conversations) == queued + running
     assert all(c.tier == "batch" for c in fleet.conversations.values())
     total = fleet.metrics.totals()
-    assert total.arrived == (total.completed + total.cancelled + total.shed + total.quota + total.length
-                             + total.rejected + queued + running)
+    assert total.arrived == (
+        total.completed + total.cancelled + total.shed + total.quota + total.length + total.rejected + queued + running
+    )
     assert all(r.state.in_flight == 0 and not r.has_work() for r in fleet.replicas) or running
 
 
@@ -101,8 +133,12 @@ def test_the_day_ends_scaled_down_with_every_request_accounted_for(day) -> None:
 def test_a_drained_replica_finishes_its_requests_before_it_is_removed() -> None:
     """Start with four replicas for a light load: the autoscaler drains three; each is removed only when it has
     finished everything it held, and every request that reached it completed."""
-    raw = {**DAY, "duration_s": 300, "fleet": {**DAY["fleet"], "replicas": 4},
-           "workload": {**DAY["workload"], "diurnal_amplitude": 0.0, "rate": 2}}
+    raw = {
+        **DAY,
+        "duration_s": 300,
+        "fleet": {**DAY["fleet"], "replicas": 4},
+        "workload": {**DAY["workload"], "diurnal_amplitude": 0.0, "rate": 2},
+    }
     run = _run("reactive", raw, scale_down_delay_s=20, cooldown_s=10)
     assert run.events["removed"] >= 2 and len(run.fleet.replicas) <= 2
     assert run.events["drained"] >= run.events["removed"]
@@ -131,8 +167,13 @@ def test_a_busy_replica_cannot_be_removed_and_a_draining_one_gets_no_new_request
 
 
 def test_gpu_hours_count_starting_replicas_from_their_launch() -> None:
-    raw = {**DAY, "duration_s": 100, "drain_s": 20, "fleet": {**DAY["fleet"], "replicas": 1},
-           "workload": {**DAY["workload"], "rate": 1}}
+    raw = {
+        **DAY,
+        "duration_s": 100,
+        "drain_s": 20,
+        "fleet": {**DAY["fleet"], "replicas": 1},
+        "workload": {**DAY["workload"], "rate": 1},
+    }
     pinned = {**POOL, "min_replicas": 3, "max_replicas": 3}
     run = _run("reactive", raw, cold_start_s=50, pools={"sim": pinned})
     # one replica from 0 s; two more launched at 0 s, serving from 50 s; all three to the end at 120 s
@@ -142,8 +183,9 @@ def test_gpu_hours_count_starting_replicas_from_their_launch() -> None:
 
 
 def test_the_forecast_is_the_workloads_curve_without_its_bursts() -> None:
-    spec = config.parse({**DAY, "workload": {**DAY["workload"], "bursts": [
-        {"at_s": 390, "duration_s": 20, "multiplier": 5}]}}).workload
+    spec = config.parse(
+        {**DAY, "workload": {**DAY["workload"], "bursts": [{"at_s": 390, "duration_s": 20, "multiplier": 5}]}}
+    ).workload
     curve = forecast_from_workload(spec, 0.9)
     assert curve.rate(PEAK_S) == pytest.approx(5 * 1.8 * 0.9)
     assert curve.rate(0) == pytest.approx(5 * 0.2 * 0.9, rel=1e-6)
@@ -158,8 +200,14 @@ def test_an_autoscaled_run_is_the_same_for_the_same_seed() -> None:
 
 def test_tokenfleet_simulate_runs_the_autoscaled_layout_from_its_config(tmp_path) -> None:
     raw = {**DAY, "duration_s": 200, "workload": {**DAY["workload"], "diurnal_period_s": 200, "peak_at_s": 100}}
-    options = {"mode": "forecast", "interval_s": 5, "cold_start_s": 60.0, "scale_down_delay_s": 60,
-               "cooldown_s": 30, "pools": {"sim": POOL}}
+    options = {
+        "mode": "forecast",
+        "interval_s": 5,
+        "cold_start_s": 60.0,
+        "scale_down_delay_s": 60,
+        "cooldown_s": 30,
+        "pools": {"sim": POOL},
+    }
     path = tmp_path / "sim.yaml"
     path.write_text(yaml.safe_dump({**raw, "autoscale": {"cold_start_s": 60.0, "settings": options}}))
     assert main(["simulate", "--config", str(path), "--out", str(tmp_path / "out")]) == 0
@@ -175,8 +223,16 @@ def test_tokenfleet_simulate_runs_the_autoscaled_layout_from_its_config(tmp_path
 def test_the_batch_tier_runs_only_in_the_trough_when_the_batch_gate_is_on() -> None:
     """The autoscaler's batch gate (as the gateway's admission applies it): batch requests wait while the pool has no
     spare capacity, so they wait longer than without the gate, and the gate was both closed and open over the day."""
-    raw = {**DAY, "duration_s": 400, "workload": {**DAY["workload"], "diurnal_period_s": 400, "peak_at_s": 200,
-                                                  "tiers": {"paid": 0.6, "free": 0.2, "batch": 0.2}}}
+    raw = {
+        **DAY,
+        "duration_s": 400,
+        "workload": {
+            **DAY["workload"],
+            "diurnal_period_s": 400,
+            "peak_at_s": 200,
+            "tiers": {"paid": 0.6, "free": 0.2, "batch": 0.2},
+        },
+    }
     gated, open_ = _run("reactive", raw, batch_gate=True), _run("reactive", raw, batch_gate=False)
     allowed = [r.batch_allowed for r in gated.records]
     assert any(allowed) and not all(allowed)
@@ -191,8 +247,11 @@ def _gate_open_at(run: ScaledFleet, t: float) -> bool:
     """Whether the batch gate was open at `t`: the gateway applies a decision at its next load update, so the one
     in force a load interval earlier counts too."""
     lag = run.fleet.setup.load_interval_s
-    return any(max((r for r in run.records if r.t <= at), key=lambda r: r.t).batch_tokens_per_s > 0
-               for at in (t, t - lag) if at >= 0)
+    return any(
+        max((r for r in run.records if r.t <= at), key=lambda r: r.t).batch_tokens_per_s > 0
+        for at in (t, t - lag)
+        if at >= 0
+    )
 
 
 def _interactive_misses(run: ScaledFleet) -> int:

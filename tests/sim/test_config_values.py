@@ -1,5 +1,6 @@
 """`tokenfleet simulate --config`: every impossible value is a ValueError naming its setting before anything runs
 (config loading only: no simulation here)."""
+
 from __future__ import annotations
 
 import copy
@@ -14,12 +15,22 @@ from tokenfleet.sim.hardware import hardware
 from tokenfleet.sim.workload import WorkloadSpec
 
 INF, NAN = math.inf, math.nan
-BASE = {"seed": 1, "duration_s": 10, "drain_s": 10,
-        "fleet": {"replicas": 2, "gpu": "h100", "tensor_parallel": 1, "model": "llama-8b", "weight_dtype": "fp16"},
-        "workload": {"rate": 5}}
+BASE = {
+    "seed": 1,
+    "duration_s": 10,
+    "drain_s": 10,
+    "fleet": {"replicas": 2, "gpu": "h100", "tensor_parallel": 1, "model": "llama-8b", "weight_dtype": "fp16"},
+    "workload": {"rate": 5},
+}
 SHAPE = {"params": 8.0e9, "num_layers": 32, "hidden_size": 4096, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
-ZERO_COST = {"overhead_s": 0, "per_sequence_s": 0, "per_token_s": 0, "per_attention_pair_s": 0, "weights_s": 0,
-             "per_kv_token_s": 0}
+ZERO_COST = {
+    "overhead_s": 0,
+    "per_sequence_s": 0,
+    "per_token_s": 0,
+    "per_attention_pair_s": 0,
+    "weights_s": 0,
+    "per_kv_token_s": 0,
+}
 
 
 def _with(changes: dict) -> dict:
@@ -65,10 +76,20 @@ BAD = [
     ({"slo.tpot_s": INF}, "slo.tpot_s"),
     ({"slo.ttft_s": {"paid": INF}}, "slo.ttft_s.paid"),
     ({"engine.watermark": NAN}, "engine.watermark"),
-    ({"disagg": {"prefill_replicas": 1, "decode_replicas": 1, "link_gb_per_s": INF},
-      "workload.cancel_probability": 0}, "disagg.link_gb_per_s"),
-    ({"disagg": {"prefill_replicas": 1, "decode_replicas": 1, "link_efficiency": 2},
-      "workload.cancel_probability": 0}, "disagg.link_efficiency"),
+    (
+        {
+            "disagg": {"prefill_replicas": 1, "decode_replicas": 1, "link_gb_per_s": INF},
+            "workload.cancel_probability": 0,
+        },
+        "disagg.link_gb_per_s",
+    ),
+    (
+        {
+            "disagg": {"prefill_replicas": 1, "decode_replicas": 1, "link_efficiency": 2},
+            "workload.cancel_probability": 0,
+        },
+        "disagg.link_efficiency",
+    ),
     # hardware overrides: division by zero, strings, shares above 1
     ({"fleet.hardware": {"mfu": 0}}, "fleet.hardware: mfu"),
     ({"fleet.hardware": {"mfu": NAN}}, "fleet.hardware.mfu"),
@@ -116,8 +137,10 @@ BAD = [
     # per-tier SLOs
     ({"slo.ttft_s": {"gold": 1}}, "slo.ttft_s"),
     # tensor parallel over more GPUs than KV heads
-    ({"fleet.model": {**SHAPE, "num_kv_heads": 2, "num_heads": 32}, "fleet.tensor_parallel": 4},
-     "split over tensor_parallel 4"),
+    (
+        {"fleet.model": {**SHAPE, "num_kv_heads": 2, "num_heads": 32}, "fleet.tensor_parallel": 4},
+        "split over tensor_parallel 4",
+    ),
 ]
 
 
@@ -129,12 +152,15 @@ def test_an_impossible_value_is_refused_naming_its_setting(changes, field) -> No
     assert "\n" not in str(refused.value)
 
 
-@pytest.mark.parametrize("text, field, value", [
-    ("workload: {rate: 1e6}", "rate", 1e6),
-    ("workload: {rate: '10'}", "rate", 10.0),
-    ("workload: {think_time_s: 1e1}", "think_time_s", 10.0),
-    ("duration_s: 1e1", "duration_s", 10.0),
-])
+@pytest.mark.parametrize(
+    "text, field, value",
+    [
+        ("workload: {rate: 1e6}", "rate", 1e6),
+        ("workload: {rate: '10'}", "rate", 10.0),
+        ("workload: {think_time_s: 1e1}", "think_time_s", 10.0),
+        ("duration_s: 1e1", "duration_s", 10.0),
+    ],
+)
 def test_numbers_yaml_reads_as_strings_are_numbers(text, field, value) -> None:
     raw = {**copy.deepcopy(BASE), **yaml.safe_load(text)}
     if "workload" in yaml.safe_load(text):
@@ -145,8 +171,10 @@ def test_numbers_yaml_reads_as_strings_are_numbers(text, field, value) -> None:
 
 
 def test_a_custom_model_and_hardware_given_in_exponent_notation_load() -> None:
-    raw = yaml.safe_load("fleet: {model: {params: 8.0e9, num_layers: 32, hidden_size: 4096, num_heads: 32, "
-                         "num_kv_heads: 8, head_dim: 128}, hardware: {hbm_bytes_per_s: 3.35e12, mfu: '0.5'}}")
+    raw = yaml.safe_load(
+        "fleet: {model: {params: 8.0e9, num_layers: 32, hidden_size: 4096, num_heads: 32, "
+        "num_kv_heads: 8, head_dim: 128}, hardware: {hbm_bytes_per_s: 3.35e12, mfu: '0.5'}}"
+    )
     setup = config.parse({**BASE, "fleet": {**BASE["fleet"], **raw["fleet"]}})
     assert setup.describe["model"] == "custom"
 
@@ -164,7 +192,6 @@ def test_hardware_overrides_are_checked() -> None:
     assert hardware("h100").with_overrides(mfu=0.6).mfu == 0.6
 
 
-@pytest.mark.parametrize("path", sorted(Path("bench/sim").glob("*.yaml")) + [Path("deploy/sim.example.yaml")],
-                         ids=str)
+@pytest.mark.parametrize("path", sorted(Path("bench/sim").glob("*.yaml")) + [Path("deploy/sim.example.yaml")], ids=str)
 def test_the_shipped_configs_load(path) -> None:
     config.load_simulation(path, 0)

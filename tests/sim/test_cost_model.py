@@ -1,12 +1,20 @@
 """The cost model against hand calculations (numbers worked out in the comments)."""
+
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
 
-from tokenfleet.sim.calibration import (DriftingCostModel, MachineNoise, Measured, ProfiledCostModel,
-                                        ScatteredCostModel, machine_noise, speed_profile)
+from tokenfleet.sim.calibration import (
+    DriftingCostModel,
+    MachineNoise,
+    Measured,
+    ProfiledCostModel,
+    ScatteredCostModel,
+    machine_noise,
+    speed_profile,
+)
 from tokenfleet.sim.cost_model import CostModel, StepBatch, StepCoefficients, kv_cache_blocks, roofline
 from tokenfleet.sim.events import SimClock
 from tokenfleet.sim.hardware import hardware
@@ -80,8 +88,15 @@ def test_decode_times_are_decode_time_step_by_step(combine: str) -> None:
 
 
 def _coefficients() -> StepCoefficients:
-    return StepCoefficients(overhead_s=0.01, per_sequence_s=0.0, per_token_s=0.001, per_attention_pair_s=0.0,
-                            weights_s=0.0, per_kv_token_s=0.0, combine="sum")
+    return StepCoefficients(
+        overhead_s=0.01,
+        per_sequence_s=0.0,
+        per_token_s=0.001,
+        per_attention_pair_s=0.0,
+        weights_s=0.0,
+        per_kv_token_s=0.0,
+        combine="sum",
+    )
 
 
 def test_the_scattered_model_multiplies_each_step_by_a_measured_ratio() -> None:

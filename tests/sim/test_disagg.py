@@ -1,6 +1,7 @@
 """Separate prefill and decode pools: the first token comes from the prefill pool, the KV cache reaches the decode
 replica (found there as prefix hits, not recomputed), its transfer time shows up between the first and second
 token, and every request completes once."""
+
 from __future__ import annotations
 
 import json
@@ -9,17 +10,26 @@ import pytest
 import yaml
 
 from tokenfleet.cli import main
-
 from tokenfleet.sim import config
 from tokenfleet.sim.disagg import GB, DisaggFleet, DisaggSpec
 from tokenfleet.sim.fleet import Fleet
 from tokenfleet.sim.models import model_shape
 
-RAW = {"seed": 5, "duration_s": 40, "warmup_s": 0, "drain_s": 120,
-       "fleet": {"replicas": 3, "gpu": "h100", "tensor_parallel": 1, "model": "llama-8b", "weight_dtype": "fp16"},
-       "workload": {"rate": 6, "cancel_probability": 0, "think_time_s": 3, "output_tokens_mean": 100,
-                    "tiers": {"paid": 0.5, "free": 0.5}},
-       "gateway": {"quota": False, "overload": {"ttft_target_s": 1e9}}}
+RAW = {
+    "seed": 5,
+    "duration_s": 40,
+    "warmup_s": 0,
+    "drain_s": 120,
+    "fleet": {"replicas": 3, "gpu": "h100", "tensor_parallel": 1, "model": "llama-8b", "weight_dtype": "fp16"},
+    "workload": {
+        "rate": 6,
+        "cancel_probability": 0,
+        "think_time_s": 3,
+        "output_tokens_mean": 100,
+        "tiers": {"paid": 0.5, "free": 0.5},
+    },
+    "gateway": {"quota": False, "overload": {"ttft_target_s": 1e9}},
+}
 KV = model_shape("llama-8b").kv_bytes_per_token("fp16")
 
 
@@ -80,9 +90,20 @@ def test_cancellations_are_refused_up_front() -> None:
 
 def test_tokenfleet_simulate_runs_the_disaggregated_layout_from_its_config(tmp_path, runs) -> None:
     path = tmp_path / "sim.yaml"
-    path.write_text(yaml.safe_dump({**RAW, "disagg": {"prefill_replicas": 1, "decode_replicas": 2,
-                                                      "link_gb_per_s": 50.0, "link_efficiency": 1.0,
-                                                      "transfer_latency_s": 0.001}}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                **RAW,
+                "disagg": {
+                    "prefill_replicas": 1,
+                    "decode_replicas": 2,
+                    "link_gb_per_s": 50.0,
+                    "link_efficiency": 1.0,
+                    "transfer_latency_s": 0.001,
+                },
+            }
+        )
+    )
     assert main(["simulate", "--config", str(path), "--out", str(tmp_path / "out")]) == 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     fleet = runs["fast"]  # the same spec built in Python: the same run

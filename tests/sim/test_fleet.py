@@ -1,4 +1,5 @@
 """The whole simulator: same seed, same numbers; the CLI end to end; bad configs refused before anything runs."""
+
 from __future__ import annotations
 
 import gc
@@ -13,12 +14,21 @@ from tokenfleet.sim import config
 from tokenfleet.sim.fleet import Fleet
 from tokenfleet.sim.report import build_report
 
-TINY = {"seed": 3, "duration_s": 40, "warmup_s": 5, "drain_s": 60,
-        "fleet": {"replicas": 3, "gpu": "h100", "tensor_parallel": 1, "model": "llama-8b", "weight_dtype": "fp16"},
-        "engine": {"num_blocks": 1500},  # small caches, so that the prefix cache and preemption both matter
-        "workload": {"rate": 25, "bursts": [{"at_s": 20, "duration_s": 5, "multiplier": 3}],
-                     "cancel_probability": 0.1, "think_time_s": 3},
-        "gateway": {"overload": {"ttft_target_s": 0.5}}}
+TINY = {
+    "seed": 3,
+    "duration_s": 40,
+    "warmup_s": 5,
+    "drain_s": 60,
+    "fleet": {"replicas": 3, "gpu": "h100", "tensor_parallel": 1, "model": "llama-8b", "weight_dtype": "fp16"},
+    "engine": {"num_blocks": 1500},  # small caches, so that the prefix cache and preemption both matter
+    "workload": {
+        "rate": 25,
+        "bursts": [{"at_s": 20, "duration_s": 5, "multiplier": 3}],
+        "cancel_probability": 0.1,
+        "think_time_s": 3,
+    },
+    "gateway": {"overload": {"ttft_target_s": 0.5}},
+}
 
 
 def _report(raw: dict, seed: int | None = None) -> dict:
@@ -92,26 +102,29 @@ def test_a_missing_or_broken_config_file_is_a_clear_error(tmp_path, capsys) -> N
     assert "not valid YAML" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"workload": {"rate": -5}}, "rate must be positive"),
-    ({"fleet": {"model": "llama-70b", "weight_dtype": "fp16", "tensor_parallel": 1}}, "does not fit"),
-    ({"fleet": {"gpu": "a100"}}, "unknown GPU"),
-    ({"fleet": {"tensor_parallel": 3}}, "power of two"),
-    ({"fleet": {"replicas": 0}}, "fleet.replicas"),
-    ({"workload": {"bursts": [{"at_s": 1, "duration_s": 5, "multiplier": -2}]}}, "burst"),
-    ({"workload": {"tiers": {"gold": 1}}}, "unknown tier"),
-    ({"routing": {"policy": "random"}}, "routing.policy"),
-    ({"fleet": {"replica": 3}}, "unknown setting"),
-    ({"duration_s": -1}, "duration_s"),
-    ({"autoscale": {}, "disagg": {"prefill_replicas": 1, "decode_replicas": 1}}, "cannot be combined"),
-    ({"autoscale": {"settings": {"pools": {"llama-8b": {}}}}}, "one pool named 'sim'"),
-    ({"autoscale": {"settings": {"mode": "psychic"}}}, "autoscale.settings: mode must be one of"),
-    ({"autoscale": {"cold_start_s": -1}}, "autoscale.cold_start_s"),
-    ({"autoscale": {"warm_buffer": 0.2}}, "autoscale: unknown setting"),
-    ({"disagg": {"prefill_replicas": 1}}, "disagg.decode_replicas is required"),
-    ({"disagg": {"prefill_replicas": 1, "decode_replicas": 1}}, "cancellations"),
-    ({"disagg": {"prefill_replicas": 0, "decode_replicas": 1}}, "disagg.prefill_replicas"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"workload": {"rate": -5}}, "rate must be positive"),
+        ({"fleet": {"model": "llama-70b", "weight_dtype": "fp16", "tensor_parallel": 1}}, "does not fit"),
+        ({"fleet": {"gpu": "a100"}}, "unknown GPU"),
+        ({"fleet": {"tensor_parallel": 3}}, "power of two"),
+        ({"fleet": {"replicas": 0}}, "fleet.replicas"),
+        ({"workload": {"bursts": [{"at_s": 1, "duration_s": 5, "multiplier": -2}]}}, "burst"),
+        ({"workload": {"tiers": {"gold": 1}}}, "unknown tier"),
+        ({"routing": {"policy": "random"}}, "routing.policy"),
+        ({"fleet": {"replica": 3}}, "unknown setting"),
+        ({"duration_s": -1}, "duration_s"),
+        ({"autoscale": {}, "disagg": {"prefill_replicas": 1, "decode_replicas": 1}}, "cannot be combined"),
+        ({"autoscale": {"settings": {"pools": {"llama-8b": {}}}}}, "one pool named 'sim'"),
+        ({"autoscale": {"settings": {"mode": "psychic"}}}, "autoscale.settings: mode must be one of"),
+        ({"autoscale": {"cold_start_s": -1}}, "autoscale.cold_start_s"),
+        ({"autoscale": {"warm_buffer": 0.2}}, "autoscale: unknown setting"),
+        ({"disagg": {"prefill_replicas": 1}}, "disagg.decode_replicas is required"),
+        ({"disagg": {"prefill_replicas": 1, "decode_replicas": 1}}, "cancellations"),
+        ({"disagg": {"prefill_replicas": 0, "decode_replicas": 1}}, "disagg.prefill_replicas"),
+    ],
+)
 def test_bad_configs_are_refused_before_anything_runs(tmp_path, capsys, change, message) -> None:
     raw = {**TINY, **{k: ({**TINY.get(k, {}), **v} if isinstance(v, dict) else v) for k, v in change.items()}}
     path = tmp_path / "bad.yaml"

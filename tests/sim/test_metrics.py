@@ -1,11 +1,11 @@
 """Inter-token gaps recorded a run of steps at a time land in the same bins as one step at a time."""
+
 from __future__ import annotations
 
 import math
 import random
 
 from tokenfleet.sim.metrics import Metrics, Slo
-
 
 SLO = Slo(ttft_s={"paid": 1.0}, tpot_s=0.1)
 

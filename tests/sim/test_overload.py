@@ -1,27 +1,57 @@
 """The overload ladder in a simulated launch-day spike: batch paused first, free requests capped then shed, paid
 ones only delayed, and the ladder back at level 0 after the spike although batch work keeps arriving."""
+
 from __future__ import annotations
 
 import pytest
 
-from tokenfleet.dispatch.records import DispatchSnapshot, TierSnapshot
+from tokenfleet.dispatch.tickets import DispatchSnapshot, TierSnapshot
 from tokenfleet.sim import config
 from tokenfleet.sim.fleet import Fleet
 from tokenfleet.sim.timeline import Sampler, TimelineMetrics, fleet_gauges
 
 SPIKE = (100.0, 60.0)  # at, for how long
-RAW = {"seed": 4, "duration_s": 300, "warmup_s": 0, "drain_s": 120,
-       "fleet": {"replicas": 2, "gpu": "h100", "tensor_parallel": 1, "model": "llama-8b", "weight_dtype": "fp16",
-                 "cost": {"overhead_s": 0.002, "per_sequence_s": 1e-5, "per_token_s": 2.5e-4,
-                          "per_attention_pair_s": 0.0, "weights_s": 0.02, "per_kv_token_s": 1e-8}},
-       "workload": {"rate": 4, "think_time_s": 5, "output_tokens_mean": 200,
-                    "bursts": [{"at_s": SPIKE[0], "duration_s": SPIKE[1], "multiplier": 4}]},
-       "gateway": {"quota": False}}
+RAW = {
+    "seed": 4,
+    "duration_s": 300,
+    "warmup_s": 0,
+    "drain_s": 120,
+    "fleet": {
+        "replicas": 2,
+        "gpu": "h100",
+        "tensor_parallel": 1,
+        "model": "llama-8b",
+        "weight_dtype": "fp16",
+        "cost": {
+            "overhead_s": 0.002,
+            "per_sequence_s": 1e-5,
+            "per_token_s": 2.5e-4,
+            "per_attention_pair_s": 0.0,
+            "weights_s": 0.02,
+            "per_kv_token_s": 1e-8,
+        },
+    },
+    "workload": {
+        "rate": 4,
+        "think_time_s": 5,
+        "output_tokens_mean": 200,
+        "bursts": [{"at_s": SPIKE[0], "duration_s": SPIKE[1], "multiplier": 4}],
+    },
+    "gateway": {"quota": False},
+}
 
 
 def _snapshot(paused: bool) -> DispatchSnapshot:
-    tier = TierSnapshot(queued=3, queued_tokens=6000, oldest_wait_s=1.0, paused=paused, dispatched=0,
-                        dispatched_tokens=0, wait_s_total=0.0, cancelled=0)
+    tier = TierSnapshot(
+        queued=3,
+        queued_tokens=6000,
+        oldest_wait_s=1.0,
+        paused=paused,
+        dispatched=0,
+        dispatched_tokens=0,
+        wait_s_total=0.0,
+        cancelled=0,
+    )
     paid = TierSnapshot(2, 500, 0.5, False, 0, 0, 0.0, 0)
     return DispatchSnapshot(slots=4, in_use=4, queued=5, queued_tokens=6500, tiers={"batch": tier, "paid": paid})
 

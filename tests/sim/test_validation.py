@@ -4,6 +4,7 @@ The 15% claim is made by bench/sim_validation.py on the medium checkpoint (docs/
 Here steps last about a millisecond, so per-step timing noise on a shared CI machine is large next to them: the
 time-based checks are loose (35%). The preemption count of an offline batch does not depend on time and is exact.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -16,8 +17,9 @@ from tokenfleet.sim.calibration import fit, replay, simulate, synthetic_arrivals
 from tokenfleet.sim.cost_model import CostModel
 from tokenfleet.sim.replica import ReplicaSpec
 
-OPTIONS = dict(kv_cache_gib=0.0015, swap_space_gib=0.0005, max_num_seqs=16, max_num_batched_tokens=256,
-               max_model_len=1024)
+OPTIONS = dict(
+    kv_cache_gib=0.0015, swap_space_gib=0.0005, max_num_seqs=16, max_num_batched_tokens=256, max_model_len=1024
+)
 
 
 @pytest.fixture
@@ -42,9 +44,15 @@ def test_calibrated_simulator_matches_the_real_engine(demo_model_dir, single_thr
         measured = replay(engine, synthetic_arrivals(seed, 30, rate, vocab))
         batches, durations = batches + measured.batches, durations + measured.durations
     cost = CostModel(fit(batches, durations))
-    spec = ReplicaSpec(engine.blocks.num_blocks, engine.config.block_size, len(engine.blocks.free_host),
-                       engine.config.watermark, True, 1024,
-                       SchedulerConfig(16, 256, engine.config.swap_threshold_tokens))
+    spec = ReplicaSpec(
+        engine.blocks.num_blocks,
+        engine.config.block_size,
+        len(engine.blocks.free_host),
+        engine.config.watermark,
+        True,
+        1024,
+        SchedulerConfig(16, 256, engine.config.swap_threshold_tokens),
+    )
     arrivals = synthetic_arrivals(3, 30, float("inf"), vocab)
     real = replay(_engine(demo_model_dir), arrivals)
     sim = simulate(arrivals, spec, cost)

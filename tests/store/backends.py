@@ -1,5 +1,6 @@
 """The databases the store suite runs against: an SQLite file, and a throwaway database on the local PostgreSQL
 (TOKENFLEET_TEST_POSTGRES, default postgresql://postgres@127.0.0.1:5432/postgres) that is dropped afterwards."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,5 +1,6 @@
 """Every store test runs twice: on an SQLite file and on PostgreSQL, each freshly migrated (the `db` fixture of
 tests/conftest.py)."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """`tokenfleet keys create | list | revoke` as a user runs them, against an SQLite file."""
+
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +13,9 @@ from tokenfleet.store.tenants import TenantStore
 
 
 def keys(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tokenfleet", "keys", *args], capture_output=True, text=True,
-                          env=env, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "tokenfleet", "keys", *args], capture_output=True, text=True, env=env, timeout=60
+    )
 
 
 async def authenticate(url: str, plaintext: str):
@@ -25,8 +27,20 @@ def test_create_list_revoke(tmp_path):
     url = f"sqlite:///{tmp_path / 'cli.db'}"
     env = {**os.environ, "HOME": str(tmp_path)}
     env.pop("TOKENFLEET_DATABASE_URL", None)
-    created = keys("create", "--org", "acme", "--user", "alice", "--tier", "paid", "--name", "laptop",
-                   "--database-url", url, env=env)
+    created = keys(
+        "create",
+        "--org",
+        "acme",
+        "--user",
+        "alice",
+        "--tier",
+        "paid",
+        "--name",
+        "laptop",
+        "--database-url",
+        url,
+        env=env,
+    )
     assert created.returncode == 0, created.stderr
     lines = created.stdout.splitlines()
     plaintext = next(line for line in lines if line.startswith("tf-"))

@@ -1,4 +1,5 @@
 """Many callers at once: get-or-create races settle on one org and user; concurrent authentications all succeed."""
+
 from __future__ import annotations
 
 import asyncio

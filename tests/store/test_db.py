@@ -1,4 +1,5 @@
 """Database URLs: the async driver is added, other databases are refused, and where the URL comes from."""
+
 from __future__ import annotations
 
 import re
@@ -11,16 +12,19 @@ from tokenfleet.commands.database import resolve_database_url
 from tokenfleet.store.db import async_url
 
 
-@pytest.mark.parametrize(("given", "expected"), [
-    ("sqlite:///tenants.db", "sqlite+aiosqlite:///tenants.db"),
-    ("sqlite:////var/lib/tf.db", "sqlite+aiosqlite:////var/lib/tf.db"),
-    ("sqlite:///:memory:", "sqlite+aiosqlite:///:memory:"),
-    ("sqlite://", "sqlite+aiosqlite://"),
-    ("sqlite+aiosqlite:///x.db", "sqlite+aiosqlite:///x.db"),
-    ("postgresql://postgres@db.internal/tokenfleet", "postgresql+asyncpg://postgres@db.internal/tokenfleet"),
-    ("postgres://u:secret@h:5433/d", "postgresql+asyncpg://u:secret@h:5433/d"),
-    ("postgresql+asyncpg://h/d", "postgresql+asyncpg://h/d"),
-])
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ("sqlite:///tenants.db", "sqlite+aiosqlite:///tenants.db"),
+        ("sqlite:////var/lib/tf.db", "sqlite+aiosqlite:////var/lib/tf.db"),
+        ("sqlite:///:memory:", "sqlite+aiosqlite:///:memory:"),
+        ("sqlite://", "sqlite+aiosqlite://"),
+        ("sqlite+aiosqlite:///x.db", "sqlite+aiosqlite:///x.db"),
+        ("postgresql://postgres@db.internal/tokenfleet", "postgresql+asyncpg://postgres@db.internal/tokenfleet"),
+        ("postgres://u:secret@h:5433/d", "postgresql+asyncpg://u:secret@h:5433/d"),
+        ("postgresql+asyncpg://h/d", "postgresql+asyncpg://h/d"),
+    ],
+)
 def test_async_driver_is_added(given, expected):
     assert async_url(given) == make_url(expected)
 
@@ -29,12 +33,15 @@ def test_home_is_expanded_in_sqlite_paths():
     assert async_url("sqlite:///~/x.db").database == str(Path.home() / "x.db")
 
 
-@pytest.mark.parametrize(("given", "words"), [
-    ("mysql://h/d", "unsupported database 'mysql'"),
-    ("postgresql+psycopg2://h/d", "use 'postgresql+asyncpg'"),
-    ("sqlite+pysqlite:///x.db", "use 'sqlite+aiosqlite'"),
-    ("not a url", "not a database URL"),
-])
+@pytest.mark.parametrize(
+    ("given", "words"),
+    [
+        ("mysql://h/d", "unsupported database 'mysql'"),
+        ("postgresql+psycopg2://h/d", "use 'postgresql+asyncpg'"),
+        ("sqlite+pysqlite:///x.db", "use 'sqlite+aiosqlite'"),
+        ("not a url", "not a database URL"),
+    ],
+)
 def test_unusable_urls_are_named(given, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         async_url(given)

@@ -1,4 +1,5 @@
 """API keys: shown once, stored only as a hash, authenticate while valid, never listed with secrets."""
+
 from __future__ import annotations
 
 import hashlib
@@ -54,8 +55,17 @@ async def test_authenticate(store: TenantStore):
     await store.create_user("acme", "alice", Limits(concurrent_requests=2))
     info, plaintext = await store.create_key("acme", "alice")
     principal = await store.authenticate(plaintext)
-    assert principal == Principal(info.id, info.org_id, "acme", info.user_id, "alice", "enterprise",
-                                  Limits(tokens_per_minute=9), Limits(concurrent_requests=2), 0.5)
+    assert principal == Principal(
+        info.id,
+        info.org_id,
+        "acme",
+        info.user_id,
+        "alice",
+        "enterprise",
+        Limits(tokens_per_minute=9),
+        Limits(concurrent_requests=2),
+        0.5,
+    )
     with pytest.raises(AttributeError):
         principal.tier = "free"  # frozen
     assert await store.authenticate(plaintext[:-1] + ("A" if plaintext[-1] != "A" else "B")) is None  # unknown
@@ -82,8 +92,9 @@ async def test_list_keys_shows_no_secrets(store: TenantStore):
     assert [k.id for k in keys] == [a.id, b.id] and keys[0] == a
     text_of_listing = repr(keys)
     for plaintext in (pa, pb):
-        assert plaintext not in text_of_listing and hashlib.sha256(plaintext.encode()).hexdigest() not in \
-            text_of_listing
+        assert (
+            plaintext not in text_of_listing and hashlib.sha256(plaintext.encode()).hexdigest() not in text_of_listing
+        )
     assert not any(hasattr(k, "hash") for k in keys)
     assert [k.id for k in await store.list_keys("globex")] == [b.id]
     assert [k.id for k in await store.list_keys(a.org_id)] == [a.id]

@@ -1,4 +1,5 @@
 """Migrations: to head from nothing, again as a no-op, and the result is exactly the ORM models' schema."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,9 +16,13 @@ pytestmark = pytest.mark.anyio
 
 def schema(sync_conn) -> dict:
     inspector = inspect(sync_conn)
-    return {table: ([c["name"] for c in inspector.get_columns(table)],
-                    sorted(str(u["column_names"]) for u in inspector.get_unique_constraints(table)))
-            for table in sorted(inspector.get_table_names())}
+    return {
+        table: (
+            [c["name"] for c in inspector.get_columns(table)],
+            sorted(str(u["column_names"]) for u in inspector.get_unique_constraints(table)),
+        )
+        for table in sorted(inspector.get_table_names())
+    }
 
 
 async def test_migrate_reaches_head_and_twice_is_a_no_op(db: Database):

@@ -1,4 +1,5 @@
 """Organisations and users: creation, lookups by id or name, limit overrides, tiers, and clear errors."""
+
 from __future__ import annotations
 
 import pytest
@@ -60,19 +61,22 @@ async def test_unique_names_give_clear_errors(store: TenantStore):
     await store.create_user("globex", "alice")  # the same user name in another organisation is fine
 
 
-@pytest.mark.parametrize(("call", "message"), [
-    (lambda s: s.create_org(""), "organisation name must be a non-empty string"),
-    (lambda s: s.create_org("   "), "organisation name must be a non-empty string"),
-    (lambda s: s.create_org("x" * 201), "longer than 200"),
-    (lambda s: s.create_org("a\nb"), "control characters"),
-    (lambda s: s.create_org("acme", tier="gold"), "unknown tier 'gold'; known: batch, enterprise, free, paid"),
-    (lambda s: s.create_org("acme", provisioned_share=1.5), "provisioned_share must be a number from 0 to 1"),
-    (lambda s: s.create_org("acme", provisioned_share=float("nan")), "provisioned_share"),
-    (lambda s: s.create_org("acme", org_id="Has Spaces"), "organisation id must be"),
-    (lambda s: s.create_org("acme", limits={"tokens_per_minute": -1}), "tokens_per_minute must be between"),
-    (lambda s: s.create_org("acme", limits={"tpm": 5}), "unknown limit"),
-    (lambda s: s.create_key("acme", "", "k"), "user name must be a non-empty string"),
-])
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda s: s.create_org(""), "organisation name must be a non-empty string"),
+        (lambda s: s.create_org("   "), "organisation name must be a non-empty string"),
+        (lambda s: s.create_org("x" * 201), "longer than 200"),
+        (lambda s: s.create_org("a\nb"), "control characters"),
+        (lambda s: s.create_org("acme", tier="gold"), "unknown tier 'gold'; known: batch, enterprise, free, paid"),
+        (lambda s: s.create_org("acme", provisioned_share=1.5), "provisioned_share must be a number from 0 to 1"),
+        (lambda s: s.create_org("acme", provisioned_share=float("nan")), "provisioned_share"),
+        (lambda s: s.create_org("acme", org_id="Has Spaces"), "organisation id must be"),
+        (lambda s: s.create_org("acme", limits={"tokens_per_minute": -1}), "tokens_per_minute must be between"),
+        (lambda s: s.create_org("acme", limits={"tpm": 5}), "unknown limit"),
+        (lambda s: s.create_key("acme", "", "k"), "user name must be a non-empty string"),
+    ],
+)
 async def test_bad_input_is_a_value_error(store: TenantStore, call, message):
     with pytest.raises(ValueError, match=message):
         await call(store)

@@ -1,4 +1,5 @@
 """Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}} with a 4xx/5xx status."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,8 +1,10 @@
 """HTTP plumbing shared by the replica and the gateway: JSON bodies, OpenAI-shaped errors, disconnects, uvicorn."""
+
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -11,6 +13,9 @@ from fastapi.responses import JSONResponse
 from tokenfleet.api.errors import APIError, bad_request
 
 MAX_BODY_BYTES = 4 << 20
+MAX_JSON_DEPTH = 64  # objects and arrays inside each other; OpenAI-style bodies need fewer than 10
+_NESTED = {str, dict, list}  # what json.loads makes that may hold a bad string
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def install_error_handler(app: FastAPI) -> None:
@@ -26,10 +31,63 @@ async def read_json(request: Request) -> object:
     body = await request.body()
     if len(body) > MAX_BODY_BYTES:
         raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
+    return parse_json(body)
+
+
+def parse_json(body: bytes) -> object:
+    """A request body as JSON whose every string is valid Unicode, nested at most MAX_JSON_DEPTH levels."""
     try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        # strictly: json.loads(bytes) would let UTF-8-encoded surrogates (ED A0 80) through
+        text = body.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise bad_request(f"the request body is not valid UTF-8: {e}") from e
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from e
+    except RecursionError:
+        raise _too_deep() from None
+    _check_strings_and_depth(value)
+    return value
+
+
+def _check_strings_and_depth(body: object) -> None:
+    """Without recursion: whatever reads the body later (validation, templates, json.dumps) recurses. A bad string
+    is reported by the top-level field that holds it."""
+    if type(body) is str:
+        _check_text(body, None)
+    stack: list[tuple[object, int, str | None]] = [(body, 1, None)]
+    while stack:
+        container, depth, field = stack.pop()
+        if type(container) is dict:
+            for key, item in container.items():
+                _check_text(key, field)
+                _check_item(item, depth, key if depth == 1 else field, stack)
+        elif type(container) is list:
+            for item in container:
+                if type(item) in _NESTED:
+                    _check_item(item, depth, field, stack)
+
+
+def _check_item(item: object, depth: int, field: str | None, stack: list) -> None:
+    if type(item) is str:
+        _check_text(item, field)
+    elif type(item) in _NESTED:
+        if depth >= MAX_JSON_DEPTH:
+            raise _too_deep()
+        stack.append((item, depth + 1, field))
+
+
+def _check_text(text: str, field: str | None) -> None:
+    if not text.isascii() and _SURROGATE.search(text):
+        where = f"the text of {field}" if field else "the request body's text"
+        raise bad_request(
+            f"{where} is not valid Unicode: it has a lone surrogate (such as \\ud800)", param=field, code="invalid_text"
+        )
+
+
+def _too_deep() -> APIError:
+    return bad_request(f"the request body nests JSON more than {MAX_JSON_DEPTH} levels deep")
 
 
 async def until_disconnect(request: Request, work) -> dict:
@@ -47,5 +105,12 @@ async def until_disconnect(request: Request, work) -> dict:
 def run_http(app: FastAPI, host: str, port: int, drain_timeout_s: float) -> None:
     """Serves with uvloop + httptools. On SIGTERM uvicorn stops accepting connections and lets in-flight requests
     (streams included) finish for at most `drain_timeout_s` before it exits."""
-    uvicorn.run(app, host=host, port=port, loop="uvloop", http="httptools", log_level="warning",
-                timeout_graceful_shutdown=drain_timeout_s)
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        loop="uvloop",
+        http="httptools",
+        log_level="warning",
+        timeout_graceful_shutdown=drain_timeout_s,
+    )

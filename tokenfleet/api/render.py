@@ -1,4 +1,5 @@
 """Engine outputs rendered as OpenAI objects: chat.completion(.chunk) and text_completion, usage, logprobs."""
+
 from __future__ import annotations
 
 import time
@@ -20,10 +21,13 @@ class Usage:
     engine_s: float = 0.0  # the replica's busy time spent on it; the gateway meters it and keeps it from clients
 
     def as_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-                "engine_s": round(self.engine_s, 6)}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "engine_s": round(self.engine_s, 6),
+        }
 
 
 @dataclass
@@ -35,6 +39,7 @@ class Renderer:
     model: str
     tokenizer: Tokenizer | None
     created: int = field(default_factory=lambda: int(time.time()))
+    token_ids: bool = False  # vLLM's return_token_ids: every choice carries its generated token ids too
 
     @property
     def object_name(self) -> str:
@@ -49,22 +54,27 @@ class Renderer:
             choice["text"] = out.new_text
         if out.finished:
             choice["finish_reason"] = out.finish_reason
+        if self.token_ids:
+            choice["token_ids"] = list(out.new_token_ids)
         return self._envelope(self.object_name + ("" if self.kind == "text" else ".chunk"), [choice])
 
     def usage_chunk(self, usage: Usage) -> dict:
-        return {**self._envelope(self.object_name + ("" if self.kind == "text" else ".chunk"), []),
-                "usage": usage.as_dict()}
+        return {
+            **self._envelope(self.object_name + ("" if self.kind == "text" else ".chunk"), []),
+            "usage": usage.as_dict(),
+        }
 
     def response(self, finals: list[RequestOutput], usage: Usage) -> dict:
         """The whole non-streamed response; finals[i] is choice i's final output."""
         choices = []
         for index, out in enumerate(finals):
-            choice: dict = {"index": index, "logprobs": self.logprobs(out.logprobs),
-                            "finish_reason": out.finish_reason}
+            choice: dict = {"index": index, "logprobs": self.logprobs(out.logprobs), "finish_reason": out.finish_reason}
             if self.kind == "chat":
                 choice["message"] = {"role": "assistant", "content": out.text}
             else:
                 choice["text"] = out.text
+            if self.token_ids:
+                choice["token_ids"] = list(out.token_ids)
             choices.append(choice)
         return {**self._envelope(self.object_name, choices), "usage": usage.as_dict()}
 
@@ -73,15 +83,22 @@ class Renderer:
             return None
         if self.kind == "chat":
             return {"content": [self._chat_entry(e) for e in entries]}
-        return {"tokens": [self._token(e.token_id) for e in entries],
-                "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self._token(t): lp for t, lp in e.top} for e in entries]}
+        return {
+            "tokens": [self._token(e.token_id) for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{self._token(t): lp for t, lp in e.top} for e in entries],
+        }
 
     def _chat_entry(self, entry: TokenLogprob) -> dict:
         token = self._token(entry.token_id)
-        return {"token": token, "logprob": entry.logprob, "bytes": list(token.encode()),
-                "top_logprobs": [{"token": (t := self._token(tid)), "logprob": lp, "bytes": list(t.encode())}
-                                 for tid, lp in entry.top]}
+        return {
+            "token": token,
+            "logprob": entry.logprob,
+            "bytes": list(token.encode()),
+            "top_logprobs": [
+                {"token": (t := self._token(tid)), "logprob": lp, "bytes": list(t.encode())} for tid, lp in entry.top
+            ],
+        }
 
     def _token(self, token_id: int) -> str:
         if self.tokenizer is None:
@@ -89,5 +106,10 @@ class Renderer:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _envelope(self, object_name: str, choices: list[dict]) -> dict:
-        return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model,
-                "choices": choices}
+        return {
+            "id": self.request_id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }

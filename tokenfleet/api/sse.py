@@ -1,4 +1,5 @@
 """Server-Sent Events framing."""
+
 from __future__ import annotations
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -1,12 +1,14 @@
 """Forecasts of a pool's arrival rate (requests/s) at a future time, so the autoscaler can start replicas a cold
 start ahead of the daily curve. Two kinds: a curve given in the fleet file, and a daily profile learned from the
 arrival rates the autoscaler observes. Both are periodic (a day by default) and deterministic."""
+
 from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
 
 DAY_S = 86400.0
 

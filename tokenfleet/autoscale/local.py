@@ -7,6 +7,7 @@ router when its /health answers. It is stopped only after the autoscaler drained
 then finds nothing to wait for (and would still let a straggler finish, up to the replica's --drain-timeout); one
 still running KILL_SLACK_S after that is killed. Until its process exits a stopping replica holds its machine:
 `stopping()` counts them, for a shared budget."""
+
 from __future__ import annotations
 
 import asyncio
@@ -47,8 +48,13 @@ class LocalReplica:
 
 
 class LocalOrchestrator:
-    def __init__(self, router, settings: AutoscaleSettings, redis_url: str | None = None,
-                 register_prefix: str = "tokenfleet:replicas:") -> None:
+    def __init__(
+        self,
+        router,
+        settings: AutoscaleSettings,
+        redis_url: str | None = None,
+        register_prefix: str = "tokenfleet:replicas:",
+    ) -> None:
         self.router, self.settings, self.local = router, settings, settings.local
         self.redis_url, self.register_prefix = redis_url, register_prefix
         self.log_dir = Path(self.local.log_dir or tempfile.mkdtemp(prefix="tokenfleet-replicas-"))
@@ -91,8 +97,14 @@ class LocalOrchestrator:
         for _ in range(count):
             replica = self._launch(model, region)
             self.replicas[replica.name] = replica
-            log.info("started replica %s of %s in %s (pid %d, log %s)", replica.name, model, region,
-                     replica.proc.pid, replica.log_path)
+            log.info(
+                "started replica %s of %s in %s (pid %d, log %s)",
+                replica.name,
+                model,
+                region,
+                replica.proc.pid,
+                replica.log_path,
+            )
 
     def _launch(self, model: str, region: str) -> LocalReplica:
         port = _free_port(self.local.host)
@@ -100,19 +112,45 @@ class LocalOrchestrator:
         name = url.split("//", 1)[1]
         log_path = self.log_dir / f"{model.replace('/', '_')}-{port}.log"
         with open(log_path, "wb") as out:
-            proc = subprocess.Popen(self._command(model, region, port, url), stdout=out, stderr=subprocess.STDOUT,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            proc = subprocess.Popen(
+                self._command(model, region, port, url),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
         return LocalReplica(name, model, region, url, proc, log_path, time.time(), time.monotonic())
 
     def _command(self, model: str, region: str, port: int, url: str) -> list[str]:
         spec = self.router.models[model].spec
-        command = [sys.executable, "-m", "tokenfleet", "replica", "--model", spec.path, "--served-model-name", model,
-                   "--host", self.local.host, "--port", str(port), "--drain-timeout", f"{self.local.drain_timeout_s:g}"]
+        command = [
+            sys.executable,
+            "-m",
+            "tokenfleet",
+            "replica",
+            "--model",
+            spec.path,
+            "--served-model-name",
+            model,
+            "--host",
+            self.local.host,
+            "--port",
+            str(port),
+            "--drain-timeout",
+            f"{self.local.drain_timeout_s:g}",
+        ]
         if spec.max_model_len:
             command += ["--max-model-len", str(spec.max_model_len)]
         if self.redis_url:
-            command += ["--register", self.redis_url, "--registry-prefix", self.register_prefix,
-                        "--advertise-url", url, "--pool", region]
+            command += [
+                "--register",
+                self.redis_url,
+                "--registry-prefix",
+                self.register_prefix,
+                "--advertise-url",
+                url,
+                "--pool",
+                region,
+            ]
         return command + list(self.settings.pool(pool_key(model, region), model).replica_args)
 
     async def stop(self, name: str) -> None:
@@ -144,28 +182,45 @@ class LocalOrchestrator:
     def _check_stopped(self, replica: LocalReplica) -> None:
         limit = self.local.drain_timeout_s + KILL_SLACK_S
         if replica.sigterm_at is not None and time.monotonic() - replica.sigterm_at > limit:
-            log.warning("replica %s still running %.0fs after SIGTERM; killing it (log: %s)", replica.name, limit,
-                        replica.log_path)
+            log.warning(
+                "replica %s still running %.0fs after SIGTERM; killing it (log: %s)",
+                replica.name,
+                limit,
+                replica.log_path,
+            )
             replica.proc.kill()
             replica.sigterm_at = None  # the next poll reaps it
 
     async def _check_started(self, client: httpx.AsyncClient, replica: LocalReplica) -> None:
         pools = self.router.models[replica.model]
         if time.monotonic() - replica.launched > self.local.start_timeout_s:
-            log.error("replica %s not serving after %.0fs; killing it (log: %s)", replica.name,
-                      self.local.start_timeout_s, replica.log_path)
+            log.error(
+                "replica %s not serving after %.0fs; killing it (log: %s)",
+                replica.name,
+                self.local.start_timeout_s,
+                replica.log_path,
+            )
             replica.proc.kill()
             replica.stopping = True
             self._failed_at[replica.model] = time.monotonic()
         elif self.redis_url:
             replica.ready = replica.name in pools.replicas  # announced itself; the registry watch added it
         elif await _healthy(client, replica.url):
-            pools.add(replica.name, replica.url, replica.region, "tokenfleet",
-                      lambda u, n: self.router.make_upstream(u, n, "tokenfleet"))
+            pools.add(
+                replica.name,
+                replica.url,
+                replica.region,
+                "tokenfleet",
+                lambda u, n: self.router.make_upstream(u, n, "tokenfleet"),
+            )
             replica.ready = True
         if replica.ready:
-            log.info("replica %s of %s is serving (%.1fs after start)", replica.name, replica.model,
-                     time.monotonic() - replica.launched)
+            log.info(
+                "replica %s of %s is serving (%.1fs after start)",
+                replica.name,
+                replica.model,
+                time.monotonic() - replica.launched,
+            )
 
     def _exited(self, replica: LocalReplica, code: int) -> None:
         del self.replicas[replica.name]
@@ -175,8 +230,14 @@ class LocalOrchestrator:
             return
         if not replica.ready:
             self._failed_at[replica.model] = time.monotonic()
-        log.error("replica %s of %s exited unexpectedly with %d; last lines of %s:\n%s", replica.name,
-                  replica.model, code, replica.log_path, _tail(replica.log_path))
+        log.error(
+            "replica %s of %s exited unexpectedly with %d; last lines of %s:\n%s",
+            replica.name,
+            replica.model,
+            code,
+            replica.log_path,
+            _tail(replica.log_path),
+        )
 
     async def close(self) -> None:
         """Gateway shutdown: SIGTERM every replica started here (each drains), kill those still up after the drain

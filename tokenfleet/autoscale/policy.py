@@ -19,6 +19,7 @@ Per pool, each decision:
    prefill rate, as its pace: a backlog that piled up outside the trough is let go at that pace, not all at once
    (the replicas' queued prefill is the projected TTFT the overload ladder sheds free requests on).
 """
+
 from __future__ import annotations
 
 import math
@@ -91,8 +92,11 @@ class Autoscaler:
         plans = {name: self._retarget(name, now, signals[name]) for name in names}
         policies = {name: self.policy_for(signals[name]) for name in names}
         desired = allocate({n: plan[0] for n, plan in plans.items()}, policies, self.settings.budget)
-        free = math.inf if self.settings.budget is None else self.settings.budget - sum(
-            s.occupied for s in signals.values())
+        free = (
+            math.inf
+            if self.settings.budget is None
+            else self.settings.budget - sum(s.occupied for s in signals.values())
+        )
         decisions = {}
         for name in sorted(names, key=lambda n: (policies[n].priority, n)):
             target, need, reason = plans[name]
@@ -119,8 +123,10 @@ class Autoscaler:
         elif self._may_shrink(st, now):
             cfg = self.settings
             new = max(max(d for _, d in st.window), st.target - cfg.scale_down_step)
-            reason = (f"down {st.target} -> {new}: {need.describe()}, under {cfg.scale_down_utilization:.0%} of "
-                      f"targets for {cfg.scale_down_delay_s:g}s")
+            reason = (
+                f"down {st.target} -> {new}: {need.describe()}, under {cfg.scale_down_utilization:.0%} of "
+                f"targets for {cfg.scale_down_delay_s:g}s"
+            )
             st.target, st.changed_at = new, now
         else:
             reason = f"hold {st.target}: {need.describe()}"
@@ -159,8 +165,7 @@ class Autoscaler:
             share = 1.0 if not s.in_flight else max(0, s.in_flight - s.batch_in_flight) / s.in_flight
             terms["kv_usage"] = s.ready * s.kv_usage_mean * share / p.target_kv_usage
             ttft = s.projected_ttft_s
-            terms["ttft"] = (s.ready * ttft * share / p.target_ttft_s if math.isfinite(ttft)
-                             else float(p.max_replicas))
+            terms["ttft"] = s.ready * ttft * share / p.target_ttft_s if math.isfinite(ttft) else float(p.max_replicas)
         forecast_rps = None
         if self.settings.mode == "forecast" and p.replica_rps > 0:
             terms["arrivals"] = s.arrival_rate / p.replica_rps
@@ -189,23 +194,27 @@ class Autoscaler:
 
     # --- which ------------------------------------------------------------------------------------------------
 
-    def _act(self, name: str, now: float, s: PoolSignals, desired: int, need: Need, reason: str,
-             free: float) -> Decision:
+    def _act(
+        self, name: str, now: float, s: PoolSignals, desired: int, need: Need, reason: str, free: float
+    ) -> Decision:
         st = self._state[name]
         draining = {r.name for r in s.replicas if r.draining}
         st.drained = {n: t for n, t in st.drained.items() if n in draining}  # removed, undrained, or never applied
         d = Decision(name, desired, reason, need=need.replicas, forecast_rps=need.forecast_rps)
         serving = s.ready + s.starting
         if desired > serving:
-            d.undrain = sorted(st.drained, key=lambda n: (-st.drained[n], n))[:desired - serving]
+            d.undrain = sorted(st.drained, key=lambda n: (-st.drained[n], n))[: desired - serving]
             for replica in d.undrain:
                 del st.drained[replica]
             d.start = int(min(desired - serving - len(d.undrain), free))
         elif desired < s.ready:  # replicas still starting are not traded for ready ones: drained once they serve
             d.drain = [r.name for r in victims(s.replicas, s.ready - desired)]
             st.drained.update({replica: now for replica in d.drain})
-        d.remove = [r.name for r in s.replicas if r.name in st.drained and r.name not in d.drain
-                    and self._drained_out(r, now - st.drained[r.name])]
+        d.remove = [
+            r.name
+            for r in s.replicas
+            if r.name in st.drained and r.name not in d.drain and self._drained_out(r, now - st.drained[r.name])
+        ]
         for replica in d.remove:  # on its way out: never put back, even if it still shows up draining for a while
             del st.drained[replica]
         self._batch(st, now, s, d)
@@ -246,7 +255,7 @@ def victims(replicas: list[ReplicaSignals], count: int) -> list[ReplicaSignals]:
     """Whom to drain: removable replicas taking requests, the least busy first (they empty soonest), then the
     newest (older ones hold warmer prefix caches)."""
     candidates = [r for r in replicas if not r.draining and r.healthy and r.removable]
-    return sorted(candidates, key=lambda r: (r.busy, -r.started_at, r.name))[:max(0, count)]
+    return sorted(candidates, key=lambda r: (r.busy, -r.started_at, r.name))[: max(0, count)]
 
 
 def allocate(targets: Mapping[str, int], policies: Mapping[str, PoolPolicy], budget: int | None) -> dict[str, int]:

@@ -1,5 +1,6 @@
 """The autoscaler as a gateway service: every interval read the pools' signals, decide, publish the decision (the
 gateway's /metrics, the batch-tier gate) and, with an orchestrator, act on it: undrain, drain, remove, start."""
+
 from __future__ import annotations
 
 import asyncio
@@ -33,8 +34,14 @@ class Orchestrator(Protocol):
 
 
 class AutoscaleService:
-    def __init__(self, policy: Autoscaler, reader: GatewaySignals, orchestrator: Orchestrator | None = None,
-                 clock: Callable[[], float] = time.time, shared: SharedShares | None = None) -> None:
+    def __init__(
+        self,
+        policy: Autoscaler,
+        reader: GatewaySignals,
+        orchestrator: Orchestrator | None = None,
+        clock: Callable[[], float] = time.time,
+        shared: SharedShares | None = None,
+    ) -> None:
         """The wall clock by default: forecasts are by time of day. `shared`: with several gateways (a fleet's
         Redis), decide on every gateway's queues and arrivals added up, not this one's alone."""
         self.policy, self.reader, self.orchestrator, self.clock = policy, reader, orchestrator, clock
@@ -60,8 +67,9 @@ class AutoscaleService:
         shares = self.reader.shares(now)
         if self.shared is not None:
             shares = await self.shared.total(shares)
-        signals = self.reader.read(shares, *((orchestrator.starting(), orchestrator.owned(), orchestrator.stopping())
-                                             if orchestrator else ()))
+        signals = self.reader.read(
+            shares, *((orchestrator.starting(), orchestrator.owned(), orchestrator.stopping()) if orchestrator else ())
+        )
         decisions = self.policy.decide(now, signals)
         self._record(decisions)
         self.signals, self.decisions = signals, decisions
@@ -78,8 +86,16 @@ class AutoscaleService:
             if before is not None and d.desired != before.desired:
                 self.events[(name, "up" if d.desired > before.desired else "down")] += 1
             if before is None or d.desired != before.desired or d.start or d.drain or d.undrain or d.remove:
-                log.info("autoscale %s: desired %d (start %d, drain %s, undrain %s, remove %s): %s", name,
-                         d.desired, d.start, d.drain, d.undrain, d.remove, d.reason)
+                log.info(
+                    "autoscale %s: desired %d (start %d, drain %s, undrain %s, remove %s): %s",
+                    name,
+                    d.desired,
+                    d.start,
+                    d.drain,
+                    d.undrain,
+                    d.remove,
+                    d.reason,
+                )
 
     async def _apply(self, s: PoolSignals, d: Decision) -> None:
         pools = self.router.models[s.model]
@@ -103,8 +119,10 @@ def _check_curves(settings, router) -> None:
             continue
         shared = [key for key in regions if key not in settings.pools]
         if shared:
-            raise ValueError(f"autoscale.pools.{name}: its forecast curve would apply in full to each of the regions "
-                             f"{', '.join(shared)}; give each region its own forecast under {name}/<region>")
+            raise ValueError(
+                f"autoscale.pools.{name}: its forecast curve would apply in full to each of the regions "
+                f"{', '.join(shared)}; give each region its own forecast under {name}/<region>"
+            )
 
 
 def add_autoscaler(gateway, config) -> AutoscaleService | None:
@@ -114,15 +132,22 @@ def add_autoscaler(gateway, config) -> AutoscaleService | None:
     if not settings.enabled:
         return None
     router = gateway.router
-    unknown = sorted(key for key in settings.pools if key not in router.models
-                     and key.rsplit("/", 1)[0] not in router.models)
+    unknown = sorted(
+        key for key in settings.pools if key not in router.models and key.rsplit("/", 1)[0] not in router.models
+    )
     if unknown:
         raise ValueError(f"autoscale.pools names model(s) this fleet does not serve: {', '.join(unknown)}")
-    settings.check_budget({pool_key(name, p.name): name for name, pools in router.models.items()
-                           for p in pools.spec.pools})
+    settings.check_budget(
+        {pool_key(name, p.name): name for name, pools in router.models.items() for p in pools.spec.pools}
+    )
     _check_curves(settings, router)
-    reader = GatewaySignals(router, gateway.admission, config.overload.batch_tiers,
-                            config.dispatch.prefill_tokens_per_s, settings.rate_window_s)
+    reader = GatewaySignals(
+        router,
+        gateway.admission,
+        config.overload.batch_tiers,
+        config.dispatch.prefill_tokens_per_s,
+        settings.rate_window_s,
+    )
     orchestrator = None
     if settings.orchestrator == "local":
         orchestrator = LocalOrchestrator(router, settings, config.redis_url, config.routing.register_prefix)
@@ -135,6 +160,7 @@ def add_autoscaler(gateway, config) -> AutoscaleService | None:
     service = AutoscaleService(Autoscaler(settings), reader, orchestrator, shared=shared)
     gateway.metrics.registry.register(AutoscaleCollector(service))
     gateway.services.append(service.run)
-    log.info("autoscaling %s (%s mode, orchestrator %s)", ", ".join(router.models), settings.mode,
-             settings.orchestrator)
+    log.info(
+        "autoscaling %s (%s mode, orchestrator %s)", ", ".join(router.models), settings.mode, settings.orchestrator
+    )
     return service

@@ -1,6 +1,7 @@
 """The `autoscale:` section of fleet.yaml: the policy's targets and timings, per-pool bounds and forecasts, and how
 decisions are carried out (a local orchestrator of replica processes, or none: metrics only, for KEDA or an HPA).
 Impossible values are start-up errors."""
+
 from __future__ import annotations
 
 import math
@@ -18,12 +19,18 @@ def _whole(name: str, value: object, low: int) -> None:
 
 
 def _number(name: str, value: object, low: float, *, strict: bool = False, high: float = math.inf) -> None:
-    ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and not math.isnan(value)
-          and (value > low if strict else value >= low) and value <= high)
+    ok = (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and not math.isnan(value)
+        and (value > low if strict else value >= low)
+        and value <= high
+    )
     if not ok:
         bound = f"> {low:g}" if strict else f">= {low:g}"
-        raise ValueError(f"{name} must be a number {bound}{'' if high == math.inf else f' and <= {high:g}'}, "
-                         f"got {value!r}")
+        raise ValueError(
+            f"{name} must be a number {bound}{'' if high == math.inf else f' and <= {high:g}'}, got {value!r}"
+        )
 
 
 @dataclass
@@ -75,8 +82,9 @@ class PoolPolicy:
         _number("target_ttft_s", self.target_ttft_s, 0, strict=True)
         _number("replica_rps", self.replica_rps, 0)
         if isinstance(self.forecast, dict):
-            self.forecast = ForecastSpec(**{k: tuple(v) if isinstance(v, list) else v
-                                            for k, v in self.forecast.items()})
+            self.forecast = ForecastSpec(
+                **{k: tuple(v) if isinstance(v, list) else v for k, v in self.forecast.items()}
+            )
         if self.forecast is not None and not self.replica_rps > 0:
             raise ValueError("a forecast needs replica_rps > 0 (how many requests/s one replica serves)")
         if not all(isinstance(a, str) for a in self.replica_args):

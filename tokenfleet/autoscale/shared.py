@@ -12,6 +12,7 @@ a hash of records, in one cluster slot), under the fleet's registry prefix:
   {prefix}{gateways}:shares   hash: gateway id -> its shares, JSON {pool key: GatewayShare fields}
 A gateway that stops writing drops out after ttl_s; both keys expire when every gateway has gone.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,8 +23,16 @@ import socket
 import uuid
 
 from tokenfleet.autoscale.signals import GatewayShare, add_shares
-from tokenfleet.router.registry import (LIVE_RECORDS, REDIS_FAILURES, REDIS_NOW, UPSERT_RECORD, Outage, Script,
-                                        check_prefix, run_script)
+from tokenfleet.router.registry import (
+    LIVE_RECORDS,
+    REDIS_FAILURES,
+    REDIS_NOW,
+    UPSERT_RECORD,
+    Outage,
+    Script,
+    check_prefix,
+    run_script,
+)
 
 log = logging.getLogger(__name__)
 

@@ -4,6 +4,7 @@ utilisation: a saturated batch and a healthy one read the same there.
 
 `PoolSignals` is a plain record, so a simulator can fill it from simulated replicas; `GatewaySignals` reads it from
 a running gateway (the router's replicas and their GET /load reports, and the model's fair queue)."""
+
 from __future__ import annotations
 
 import math
@@ -11,7 +12,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import astuple, dataclass, field
 
 from tokenfleet.dispatch.overload import LoadSignal, projected_ttft_s
-from tokenfleet.dispatch.records import DispatchSnapshot
+from tokenfleet.dispatch.tickets import DispatchSnapshot
 
 
 @dataclass
@@ -95,18 +96,17 @@ class RateMeter:
         return rate
 
 
-SPLIT = ("queued", "queued_tokens", "batch_queued", "batch_in_use", "arrivals")
-
-
 def dispatch_split(snapshot: DispatchSnapshot, batch_tiers: Collection[str]) -> dict[str, int]:
     """A model's fair-queue snapshot split into interactive work (queued, queued tokens, arrivals so far) and batch
     work (queued, holding slots)."""
     tiers = snapshot.tiers.items()
-    return {"queued": sum(t.queued for n, t in tiers if n not in batch_tiers),
-            "queued_tokens": sum(t.queued_tokens for n, t in tiers if n not in batch_tiers),
-            "batch_queued": sum(t.queued for n, t in tiers if n in batch_tiers),
-            "batch_in_use": sum(t.in_use for n, t in tiers if n in batch_tiers),
-            "arrivals": sum(t.dispatched + t.cancelled + t.queued for n, t in tiers if n not in batch_tiers)}
+    return {
+        "queued": sum(t.queued for n, t in tiers if n not in batch_tiers),
+        "queued_tokens": sum(t.queued_tokens for n, t in tiers if n not in batch_tiers),
+        "batch_queued": sum(t.queued for n, t in tiers if n in batch_tiers),
+        "batch_in_use": sum(t.in_use for n, t in tiers if n in batch_tiers),
+        "arrivals": sum(t.dispatched + t.cancelled + t.queued for n, t in tiers if n not in batch_tiers),
+    }
 
 
 @dataclass
@@ -127,12 +127,20 @@ class GatewayShare:
         return GatewayShare(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
 
-def gateway_share(snapshot: DispatchSnapshot, batch_tiers: Collection[str], rates: RateMeter, key: str,
-                  now: float) -> GatewayShare:
+def gateway_share(
+    snapshot: DispatchSnapshot, batch_tiers: Collection[str], rates: RateMeter, key: str, now: float
+) -> GatewayShare:
     """A gateway's share from its fair queue's snapshot; `rates` turns the queue's arrivals so far into a rate."""
     split = dispatch_split(snapshot, batch_tiers)
-    return GatewayShare(split["queued"], split["queued_tokens"], split["batch_queued"], split["batch_in_use"],
-                        snapshot.in_use, snapshot.slots, rates.update(key, split["arrivals"], now))
+    return GatewayShare(
+        split["queued"],
+        split["queued_tokens"],
+        split["batch_queued"],
+        split["batch_in_use"],
+        snapshot.in_use,
+        snapshot.slots,
+        rates.update(key, split["arrivals"], now),
+    )
 
 
 def add_shares(*shares: Mapping[str, GatewayShare]) -> dict[str, GatewayShare]:
@@ -149,29 +157,52 @@ def replica_signals(replicas, health, owned: Mapping[str, float]) -> list[Replic
     out = []
     for r in replicas:
         s = r.state
-        out.append(ReplicaSignals(r.name, r.draining, health.available(r.name), s.running, s.waiting,
-                                  s.in_flight, s.kv_usage, s.queued_tokens, owned.get(r.name, 0.0),
-                                  r.name in owned))
+        out.append(
+            ReplicaSignals(
+                r.name,
+                r.draining,
+                health.available(r.name),
+                s.running,
+                s.waiting,
+                s.in_flight,
+                s.kv_usage,
+                s.queued_tokens,
+                owned.get(r.name, 0.0),
+                r.name in owned,
+            )
+        )
     return out
 
 
-def pool_signals(key: str, replicas: list[ReplicaSignals], share: GatewayShare | None, prefill_tokens_per_s: float,
-                 starting: int = 0) -> PoolSignals:
+def pool_signals(
+    key: str, replicas: list[ReplicaSignals], share: GatewayShare | None, prefill_tokens_per_s: float, starting: int = 0
+) -> PoolSignals:
     """One pool's signals from its replicas and, for a pool gateways' fair queues feed, their share."""
     ready = [r for r in replicas if not r.draining and r.healthy]
     share = share or GatewayShare()
     replica_tokens = sum(r.queued_tokens for r in replicas)
     kv = [r.kv_usage for r in ready]
-    ttft = projected_ttft_s(LoadSignal(share.queued_tokens, replica_tokens, share.in_use, share.slots,
-                                       prefill_tokens_per_s * len(ready)))
+    ttft = projected_ttft_s(
+        LoadSignal(share.queued_tokens, replica_tokens, share.in_use, share.slots, prefill_tokens_per_s * len(ready))
+    )
     return PoolSignals(
-        pool=key, ready=len(ready), starting=starting, draining=sum(r.draining for r in replicas),
-        queued_requests=share.queued, queued_tokens=share.queued_tokens + replica_tokens,
-        in_flight=_in_flight(replicas), batch_in_flight=share.batch_in_use,
-        batch_queued=share.batch_queued, kv_usage_mean=sum(kv) / len(kv) if kv else 0.0,
-        kv_usage_max=max(kv, default=0.0), projected_ttft_s=ttft, arrival_rate=share.arrival_rate,
-        replicas=replicas, unavailable=sum(not r.draining and not r.healthy for r in replicas),
-        prefill_tokens_per_s=prefill_tokens_per_s)
+        pool=key,
+        ready=len(ready),
+        starting=starting,
+        draining=sum(r.draining for r in replicas),
+        queued_requests=share.queued,
+        queued_tokens=share.queued_tokens + replica_tokens,
+        in_flight=_in_flight(replicas),
+        batch_in_flight=share.batch_in_use,
+        batch_queued=share.batch_queued,
+        kv_usage_mean=sum(kv) / len(kv) if kv else 0.0,
+        kv_usage_max=max(kv, default=0.0),
+        projected_ttft_s=ttft,
+        arrival_rate=share.arrival_rate,
+        replicas=replicas,
+        unavailable=sum(not r.draining and not r.healthy for r in replicas),
+        prefill_tokens_per_s=prefill_tokens_per_s,
+    )
 
 
 def _in_flight(replicas: list[ReplicaSignals]) -> int:
@@ -185,8 +216,9 @@ class GatewaySignals:
     """Reads the signals of every pool (model x region) from a gateway's router and admission. A model's fair
     queue is shared by its regions: what waits there is counted against the nearest region, where it would go."""
 
-    def __init__(self, router, admission, batch_tiers: Collection[str], prefill_tokens_per_s: float,
-                 rate_window_s: float = 60.0) -> None:
+    def __init__(
+        self, router, admission, batch_tiers: Collection[str], prefill_tokens_per_s: float, rate_window_s: float = 60.0
+    ) -> None:
         self.router, self.admission = router, admission
         self.batch_tiers, self.prefill_tokens_per_s = tuple(batch_tiers), prefill_tokens_per_s
         self.rates = RateMeter(rate_window_s)
@@ -196,13 +228,18 @@ class GatewaySignals:
         out = {}
         for model, pools in self.router.models.items():
             snapshot = self.admission.dispatchers[model].snapshot()
-            out[pool_key(model, nearest_region(pools))] = gateway_share(snapshot, self.batch_tiers, self.rates, model,
-                                                                        now)
+            out[pool_key(model, nearest_region(pools))] = gateway_share(
+                snapshot, self.batch_tiers, self.rates, model, now
+            )
         return out
 
-    def read(self, shares: Mapping[str, GatewayShare], starting: Mapping[str, int] | None = None,
-             owned: Mapping[str, float] | None = None,
-             stopping: Mapping[str, int] | None = None) -> dict[str, PoolSignals]:
+    def read(
+        self,
+        shares: Mapping[str, GatewayShare],
+        starting: Mapping[str, int] | None = None,
+        owned: Mapping[str, float] | None = None,
+        stopping: Mapping[str, int] | None = None,
+    ) -> dict[str, PoolSignals]:
         """`shares`: pool key -> the gateways' share (this one's, or every live gateway's added up); `starting`:
         pool key -> replicas launched and not yet in the router; `owned`: replica name -> start time, for the
         replicas the orchestrator can stop; `stopping`: pool key -> replicas stopped whose process still runs."""
@@ -211,8 +248,13 @@ class GatewaySignals:
             for region in regions(pools, {**stopping, **starting}):
                 key = pool_key(model, region)
                 members = [r for r in pools.replicas.values() if r.pool == region]
-                signals = pool_signals(key, replica_signals(members, pools.health, owned or {}), shares.get(key),
-                                       self.prefill_tokens_per_s, starting.get(key, 0))
+                signals = pool_signals(
+                    key,
+                    replica_signals(members, pools.health, owned or {}),
+                    shares.get(key),
+                    self.prefill_tokens_per_s,
+                    starting.get(key, 0),
+                )
                 signals.model, signals.region, signals.stopping = model, region, stopping.get(key, 0)
                 out[key] = signals
         return out

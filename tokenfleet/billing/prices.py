@@ -1,4 +1,5 @@
 """The price table: USD per million input, cached input and output tokens, per model."""
+
 from __future__ import annotations
 
 import math
@@ -16,8 +17,7 @@ class ModelPrice:
     def __post_init__(self) -> None:
         for name in ("input", "cached_input", "output"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value < 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a price >= 0 (USD per million tokens), got {value!r}")
 
     def cost(self, input_tokens: int, cached_tokens: int, output_tokens: int) -> float:
@@ -31,7 +31,7 @@ class PriceTable:
     prices: dict[str, ModelPrice]
 
     @classmethod
-    def from_dict(cls, raw: dict | None) -> "PriceTable":
+    def from_dict(cls, raw: dict | None) -> PriceTable:
         """`billing.prices` in fleet.yaml: {model: {input, cached_input, output}}; cached_input defaults to input."""
         prices = {}
         for model, spec in (raw or {}).items():

@@ -1,6 +1,7 @@
 """Usage and cost from the warehouse table (`usage_events`): totals by any of organisation, user, model, tier and
 day, priced with the price table; and the cost of serving a million output tokens per model and tier, from the
 replica time the requests used (each request's share of its replica's busy time) at the replica-hour price."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -13,8 +14,13 @@ from tokenfleet.store.db import Database
 from tokenfleet.store.models import UsageEventRow
 
 GROUPS = ("org", "user", "model", "tier", "day")
-COLUMNS = {"org": UsageEventRow.org_id, "user": UsageEventRow.user_id, "model": UsageEventRow.model,
-           "tier": UsageEventRow.tier, "day": UsageEventRow.day}
+COLUMNS = {
+    "org": UsageEventRow.org_id,
+    "user": UsageEventRow.user_id,
+    "model": UsageEventRow.model,
+    "tier": UsageEventRow.tier,
+    "day": UsageEventRow.day,
+}
 
 
 @dataclass(frozen=True)
@@ -26,8 +32,11 @@ class UsageFilter:
     until: date | None = None  # last day included (UTC)
 
     def clauses(self) -> list:
-        where = [COLUMNS[name] == value for name, value in
-                 (("org", self.org), ("user", self.user), ("model", self.model)) if value is not None]
+        where = [
+            COLUMNS[name] == value
+            for name, value in (("org", self.org), ("user", self.user), ("model", self.model))
+            if value is not None
+        ]
         if self.since is not None:
             where.append(UsageEventRow.day >= self.since)
         if self.until is not None:
@@ -77,8 +86,12 @@ async def usage_report(db: Database, prices: PriceTable, groups: list[str], wher
     """Token totals and cost per group. Cost is priced per model, so each line is summed from per-model parts."""
     groups = check_groups(groups)
     keys = [COLUMNS[g].label(g) for g in dict.fromkeys([*groups, "model"])]
-    sums = [func.count().label("requests"), func.sum(UsageEventRow.input_tokens),
-            func.sum(UsageEventRow.cached_tokens), func.sum(UsageEventRow.output_tokens)]
+    sums = [
+        func.count().label("requests"),
+        func.sum(UsageEventRow.input_tokens),
+        func.sum(UsageEventRow.cached_tokens),
+        func.sum(UsageEventRow.output_tokens),
+    ]
     query = select(*keys, *sums).where(*where.clauses()).group_by(*keys)
     async with db.session() as session:
         rows = (await session.execute(query)).all()
@@ -87,7 +100,7 @@ async def usage_report(db: Database, prices: PriceTable, groups: list[str], wher
         values = row._mapping
         group = {g: str(values[g]) for g in groups}
         line = lines.setdefault(tuple(group.values()), UsageLine(group, 0, 0, 0, 0))
-        requests, input_tokens, cached, output = (int(v or 0) for v in row[len(keys):])
+        requests, input_tokens, cached, output = (int(v or 0) for v in row[len(keys) :])
         line.requests += requests
         line.input_tokens += input_tokens
         line.cached_tokens += cached
@@ -100,8 +113,12 @@ async def unit_costs(db: Database, replica_hour_usd: float, where: UsageFilter) 
     """Per model and tier: replica seconds used x the replica-hour price / output tokens x one million. Idle
     replica time is not in it (no request used it): this is the cost of the work, not of the fleet."""
     keys = [UsageEventRow.model, UsageEventRow.tier]
-    query = (select(*keys, func.sum(UsageEventRow.output_tokens), func.sum(UsageEventRow.engine_s))
-             .where(*where.clauses()).group_by(*keys).order_by(*keys))
+    query = (
+        select(*keys, func.sum(UsageEventRow.output_tokens), func.sum(UsageEventRow.engine_s))
+        .where(*where.clauses())
+        .group_by(*keys)
+        .order_by(*keys)
+    )
     async with db.session() as session:
         rows = (await session.execute(query)).all()
     costs = []

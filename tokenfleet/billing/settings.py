@@ -1,4 +1,5 @@
 """`billing:` in fleet.yaml."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,4 +1,5 @@
 """Which database a command uses."""
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """`tokenfleet keys create | list | revoke`: API keys from the command line, against the configured database."""
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,10 @@ async def _run(args: argparse.Namespace, db: Database, tiers: Collection[str]) -
 async def create(store: TenantStore, args: argparse.Namespace) -> int:
     info, plaintext = await store.create_key(args.org, args.user, args.name, args.tier)
     org = await store.get_org(info.org_id)
-    print(f"created {info.id} ({info.name!r}) for user {info.user_name!r} of organisation {info.org_name!r} "
-          f"(tier {org.tier})")
+    print(
+        f"created {info.id} ({info.name!r}) for user {info.user_name!r} of organisation {info.org_name!r} "
+        f"(tier {org.tier})"
+    )
     print(plaintext)
     print("This key will not be shown again: store it somewhere safe now.")
     return 0
@@ -81,5 +84,19 @@ def print_keys(keys: list[KeyInfo]) -> None:
     if not keys:
         print("no API keys")
         return
-    print_table(COLUMNS, [(k.id, k.prefix + "…", k.org_name, k.user_name, k.name, _when(k.created_at),
-                           _when(k.last_used_at), "revoked" if k.revoked else "active") for k in keys])
+    print_table(
+        COLUMNS,
+        [
+            (
+                k.id,
+                k.prefix + "…",
+                k.org_name,
+                k.user_name,
+                k.name,
+                _when(k.created_at),
+                _when(k.last_used_at),
+                "revoked" if k.revoked else "active",
+            )
+            for k in keys
+        ],
+    )

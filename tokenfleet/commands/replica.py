@@ -3,6 +3,7 @@
 With `--register REDIS_URL` the replica also joins the fleet's registry (tokenfleet.router.registry): it announces
 itself once its engine is loaded and its HTTP server answers, heartbeats while it serves, is marked draining the
 moment SIGTERM (or SIGINT) arrives, and withdraws when the drain is over."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,9 +14,9 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Callable
 from urllib.parse import urlsplit
 
 import httpx
@@ -23,9 +24,9 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI
 
 from tokenfleet.api.http import run_http
-from tokenfleet.logs import configure_logging
 from tokenfleet.engine.config import engine_config_from_args
 from tokenfleet.engine.engine_process import start_engine
+from tokenfleet.logs import configure_logging
 from tokenfleet.replica.server import create_app
 from tokenfleet.router.registry import RegistryKeys, ReplicaAnnouncer, ReplicaRecord
 
@@ -68,11 +69,13 @@ def registration_from_args(args: argparse.Namespace, model_name: str) -> Registr
         raise ValueError(f"--registry-ttl must be positive, got {args.registry_ttl}")
     RegistryKeys.under(args.registry_prefix)  # rejects a prefix the registry cannot use, before the model loads
     url = (args.advertise_url or default_advertise_url(args.host, args.port)).rstrip("/")
-    record = ReplicaRecord(name=urlsplit(url).netloc or url, url=url, model=model_name, pool=args.pool,
-                           started_at=time.time())
+    record = ReplicaRecord(
+        name=urlsplit(url).netloc or url, url=url, model=model_name, pool=args.pool, started_at=time.time()
+    )
     local = _bracketed(_ANY_ADDRESS.get(args.host, args.host))
-    return Registration(args.register, record, args.registry_prefix, args.registry_ttl,
-                        f"http://{local}:{args.port}/health")
+    return Registration(
+        args.register, record, args.registry_prefix, args.registry_ttl, f"http://{local}:{args.port}/health"
+    )
 
 
 def default_advertise_url(host: str, port: int) -> str:
@@ -114,8 +117,9 @@ async def registered(registration: Registration) -> AsyncIterator[ReplicaAnnounc
     drain): stop heartbeats and withdraw. The drain itself starts at the signal, see on_exit_signal."""
     timeout = min(2.0, registration.heartbeat_s)
     client = aioredis.from_url(registration.redis_url, socket_connect_timeout=timeout, socket_timeout=timeout)
-    announcer = ReplicaAnnouncer(client, registration.record, registration.prefix, registration.ttl_s,
-                                 registration.heartbeat_s)
+    announcer = ReplicaAnnouncer(
+        client, registration.record, registration.prefix, registration.ttl_s, registration.heartbeat_s
+    )
     heartbeats = asyncio.create_task(_announce_when_serving(announcer, registration.health_url))
     drains: set[asyncio.Task] = set()
 

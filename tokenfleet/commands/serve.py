@@ -1,4 +1,5 @@
 """`tokenfleet serve` (gateway + in-process replica, one process) and `tokenfleet gateway --config fleet.yaml`."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,21 +13,24 @@ import httpx
 from fastapi import FastAPI
 
 from tokenfleet.api.http import run_http
-from tokenfleet.logs import configure_logging
 from tokenfleet.autoscale.service import add_autoscaler
+from tokenfleet.billing.routes import add_usage_routes
+from tokenfleet.commands.database import resolve_database_url
 from tokenfleet.config import FleetConfig, TierConfig
-from tokenfleet.engine.config import EngineConfig, engine_config_from_args
+from tokenfleet.conversations.routes import add_conversation_routes
 from tokenfleet.dispatch.overload import OverloadLadder
 from tokenfleet.dispatch.queue import Dispatcher
-from tokenfleet.billing.routes import add_usage_routes
-from tokenfleet.conversations.routes import add_conversation_routes
+from tokenfleet.engine.config import EngineConfig, engine_config_from_args
 from tokenfleet.gateway.admin import add_admin_routes
 from tokenfleet.gateway.admission import Admission, watch_load
 from tokenfleet.gateway.app import Gateway, ModelInfo, create_gateway_app
 from tokenfleet.gateway.auth import Authenticator
+from tokenfleet.gateway.fleet_buffer import FleetResumeBuffer, redis_client
 from tokenfleet.gateway.resume import MemoryResumeBuffer, RedisResumeBuffer, ResumeBuffer
 from tokenfleet.gateway.safety import load_hook
 from tokenfleet.gateway.upstream import HttpUpstream, InProcessUpstream
+from tokenfleet.gateway.usage import reconciler
+from tokenfleet.logs import configure_logging
 from tokenfleet.metering import MemoryLog, Outbox, OutboxShipper, RedisStreamLog, WarehouseWriter
 from tokenfleet.metering.recorder import UsageRecorder
 from tokenfleet.model.config import ModelConfig
@@ -38,7 +42,6 @@ from tokenfleet.quota.redis import RedisQuota
 from tokenfleet.router.catalog import ModelCatalog
 from tokenfleet.router.registry import ReplicaRegistry
 from tokenfleet.router.router import Router
-from tokenfleet.commands.database import resolve_database_url
 from tokenfleet.store.db import Database
 from tokenfleet.store.tenants import TenantStore
 
@@ -47,16 +50,21 @@ DEMO_DIR = Path.home() / ".cache" / "tokenfleet" / "demo-model"
 
 
 def model_info(name: str, path: str, max_model_len: int | None = None) -> ModelInfo:
-    window = ModelConfig.from_dir(path).max_model_len
-    return ModelInfo(name, Tokenizer.from_dir(path), min(max_model_len or window, window))
+    config = ModelConfig.from_dir(path)
+    window = config.max_model_len
+    return ModelInfo(name, Tokenizer.from_dir(path), min(max_model_len or window, window), config.vocab_size)
 
 
 def resume_buffer(config: FleetConfig):
     if not config.redis_url:
         return MemoryResumeBuffer(config.resume_ttl_s)
-    import redis.asyncio as redis
-
-    return RedisResumeBuffer(redis.from_url(config.redis_url), config.redis_prefix, config.resume_ttl_s)
+    shared = RedisResumeBuffer(
+        redis_client(config.redis_url),
+        config.redis_prefix,
+        config.resume_ttl_s,
+        owner_lease_s=config.streams.owner_lease_s,
+    )
+    return FleetResumeBuffer(shared)
 
 
 def quota_service(config: FleetConfig) -> QuotaService:
@@ -67,16 +75,26 @@ def quota_service(config: FleetConfig) -> QuotaService:
         return MemoryQuota()
     if not config.redis_url:
         raise ValueError("quota.backend is redis but the fleet file has no redis_url")
-    redis_quota = RedisQuota.from_url(config.redis_url, settings.prefix, connect_timeout_s=settings.timeout_s,
-                                      socket_timeout_s=settings.timeout_s, hot_tenants=settings.hot_tenants,
-                                      slice_index=settings.slice_index,
-                                      rebalance_interval_s=settings.rebalance_interval_s)
+    redis_quota = RedisQuota.from_url(
+        config.redis_url,
+        settings.prefix,
+        connect_timeout_s=settings.timeout_s,
+        socket_timeout_s=settings.timeout_s,
+        hot_tenants=settings.hot_tenants,
+        slice_index=settings.slice_index,
+        rebalance_interval_s=settings.rebalance_interval_s,
+    )
     policy = {name: tier.on_quota_outage for name, tier in config.tiers.items()}
     return FailoverQuota(redis_quota, MemoryQuota(), policy, breaker_s=settings.retry_after_outage_s)
 
 
-def build_gateway(config: FleetConfig, models: dict[str, ModelInfo], make_upstream, open_tier: str | None = None,
-                  buffer: ResumeBuffer | None = None) -> tuple[Gateway, TenantStore | None]:
+def build_gateway(
+    config: FleetConfig,
+    models: dict[str, ModelInfo],
+    make_upstream,
+    open_tier: str | None = None,
+    buffer: ResumeBuffer | None = None,
+) -> tuple[Gateway, TenantStore | None]:
     """The gateway: tenancy (keys from the database, or with `open_tier` one unauthenticated user), quotas, one
     fair dispatcher per model, the overload ladder, and the router over the configured (and registered) replicas.
     `make_upstream(url, name, kind)` is how the router reaches a replica."""
@@ -90,22 +108,42 @@ def build_gateway(config: FleetConfig, models: dict[str, ModelInfo], make_upstre
         provisioned = asyncio.run(prepare_tenants(config.database_url))
         db = Database(config.database_url)
         store = TenantStore(db, config.tiers)
-    router = Router(ModelCatalog(config.served_models(), config.routing.rules), config.routing,
-                    config.dispatch.slots_per_replica, make_upstream)
+    router = Router(
+        ModelCatalog(config.served_models(), config.routing.rules),
+        config.routing,
+        config.dispatch.slots_per_replica,
+        make_upstream,
+    )
     router.add_configured_replicas()
     free_model = config.overload.free_model
     if free_model and router.catalog.lookup(free_model) is None:
         raise ValueError(f"overload.free_model {free_model!r} is not a configured model")
     quota = quota_service(config)
-    dispatchers = {name: Dispatcher(tiers, config.dispatch.slots_per_replica * max(1, len(pools.replicas)),
-                                    config.dispatch.quantum_tokens, provisioned=provisioned)
-                   for name, pools in router.models.items()}
+    dispatchers = {
+        name: Dispatcher(
+            tiers,
+            config.dispatch.slots_per_replica * max(1, len(pools.replicas)),
+            config.dispatch.quantum_tokens,
+            provisioned=provisioned,
+        )
+        for name, pools in router.models.items()
+    }
     admission = Admission(quota, dispatchers, OverloadLadder(config.overload))
     auth = Authenticator(None if open_tier else store, tiers, open_tier or "paid")
     secret = config.resume_secret.encode() if config.resume_secret else None
-    gateway = Gateway(models, router, buffer or resume_buffer(config), admission, auth, config.streams,
-                      load_hook(config.safety_hook), secret)
+    gateway = Gateway(
+        models,
+        router,
+        buffer or resume_buffer(config),
+        admission,
+        auth,
+        config.streams,
+        load_hook(config.safety_hook),
+        secret,
+    )
     add_background_work(gateway, config)
+    if isinstance(gateway.buffer, FleetResumeBuffer):
+        gateway.services.append(gateway.buffer.keep_alive)
     gateway.closers.append(quota.close)
     if db is not None:
         gateway.db = db
@@ -118,12 +156,20 @@ def add_metering(gateway: Gateway, config: FleetConfig, db: Database) -> None:
     """A usage event per request: the recorder keeps each request's outbox row, the shipper moves closed rows to
     the event log (the Redis Stream in a fleet, in memory embedded), the writer fills the warehouse table."""
     settings, outbox = config.metering, Outbox(db)
-    gateway.usage = UsageRecorder(outbox, settings.lease_s, settings.checkpoint_s, settings.batch_s)
+    # a dead gateway's requests are billed for what their resume streams show was generated (fleet)
+    reconcile = reconciler(gateway.buffer) if isinstance(gateway.buffer, FleetResumeBuffer) else None
+    gateway.usage = UsageRecorder(outbox, settings.lease_s, settings.checkpoint_s, settings.batch_s, reconcile)
     if config.redis_url:
         event_log = RedisStreamLog.from_url(config.redis_url, settings.stream_key, settings.group)
     else:
         event_log = MemoryLog()
-    shipper = OutboxShipper(outbox, event_log, settings.ship_interval_s, keep_sent_s=settings.keep_sent_s)
+    shipper = OutboxShipper(
+        outbox,
+        event_log,
+        settings.ship_interval_s,
+        keep_sent_s=settings.keep_sent_s,
+        reship_after_s=settings.reship_after_s,
+    )
 
     async def ship() -> None:
         if isinstance(event_log, MemoryLog):  # what the last run's in-memory log held died with it
@@ -151,8 +197,9 @@ def add_background_work(gateway: Gateway, config: FleetConfig) -> None:
     """Load reports, active health checks, the overload ladder, and (in a fleet) the Redis replica registry."""
     router, d = gateway.router, config.dispatch
     gateway.services.append(router.refresh_loads)
-    gateway.services.append(lambda: watch_load(gateway.admission, router, d.load_interval_s, d.slots_per_replica,
-                                               d.prefill_tokens_per_s))
+    gateway.services.append(
+        lambda: watch_load(gateway.admission, router, d.load_interval_s, d.slots_per_replica, d.prefill_tokens_per_s)
+    )
 
     async def health_checks() -> None:
         async with httpx.AsyncClient() as client:
@@ -171,8 +218,10 @@ def load_models(config: FleetConfig) -> dict[str, ModelInfo]:
     infos = {}
     for spec in config.served_models():
         if not Path(spec.path, "config.json").is_file():
-            raise ValueError(f"model {spec.name}: no checkpoint at {spec.path!r} (the gateway reads its tokenizer "
-                             "and context window from there)")
+            raise ValueError(
+                f"model {spec.name}: no checkpoint at {spec.path!r} (the gateway reads its tokenizer "
+                "and context window from there)"
+            )
         infos[spec.name] = model_info(spec.name, spec.path, spec.max_model_len)
     return infos
 
@@ -188,12 +237,14 @@ async def prepare_tenants(database_url: str) -> dict[str, float]:
 
 def admin_routes(gateway: Gateway, store: TenantStore | None, config: FleetConfig):
     """The routes over the database: tenants and keys (admin), usage and costs."""
+
     def install(app: FastAPI) -> None:
         if store is not None:
             add_admin_routes(app, store, config.admin_key, config.tiers, on_revoke=gateway.auth.forget_key)
         if gateway.db is not None:
             add_usage_routes(app, gateway, gateway.db, config.billing, config.admin_key)
             add_conversation_routes(app, gateway, gateway.db, config.conversations)
+
     return install
 
 
@@ -229,11 +280,17 @@ def serve_embedded(args: argparse.Namespace) -> None:
     name = args.served_model_name or Path(engine_config.model).resolve().name
     engine = start_engine(engine_config)
     service = ReplicaService(engine, name)
-    info = ModelInfo(name, engine.tokenizer, engine.max_model_len)
+    vocab_size = ModelConfig.from_dir(engine_config.model).vocab_size
+    info = ModelInfo(name, engine.tokenizer, engine.max_model_len, vocab_size)
     config = embedded_config(args, name, engine_config.model)
     local = InProcessUpstream(service)
-    gateway, store = build_gateway(config, {name: info}, lambda url, replica, kind: local,
-                                   None if args.auth else "local", MemoryResumeBuffer())
+    gateway, store = build_gateway(
+        config,
+        {name: info},
+        lambda url, replica, kind: local,
+        None if args.auth else "local",
+        MemoryResumeBuffer(config.resume_ttl_s),
+    )
     gateway.router.models[name].add("local", "", "local", "tokenfleet", lambda url, replica: local)
     gateway.extra_metrics = service.metrics.render
     install_admin = admin_routes(gateway, store, config)
@@ -243,14 +300,25 @@ def serve_embedded(args: argparse.Namespace) -> None:
         install_admin(app)
 
     if args.auth:
-        log.info("serving %s on http://%s:%d; API keys from %s (create one with `tokenfleet keys create`)", name,
-                 args.host, args.port, config.database_url)
+        log.info(
+            "serving %s on http://%s:%d; API keys from %s (create one with `tokenfleet keys create`)",
+            name,
+            args.host,
+            args.port,
+            config.database_url,
+        )
     else:
-        log.warning("serving %s on http://%s:%d with NO authentication and no limits (single-user embedded mode; "
-                    "--auth requires API keys)", name, args.host, args.port)
+        log.warning(
+            "serving %s on http://%s:%d with NO authentication and no limits (single-user embedded mode; "
+            "--auth requires API keys)",
+            name,
+            args.host,
+            args.port,
+        )
     try:
-        run_http(create_gateway_app(gateway, replica_routes, config.admin_key), args.host, args.port,
-                 args.drain_timeout)
+        run_http(
+            create_gateway_app(gateway, replica_routes, config.admin_key), args.host, args.port, args.drain_timeout
+        )
     finally:
         engine.shutdown()
 

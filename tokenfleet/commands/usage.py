@@ -1,5 +1,6 @@
 """`tokenfleet usage`: tokens and cost by organisation, user, model, tier and day, or (--costs) the cost of a
 million output tokens by model and tier, from the configured database's warehouse table."""
+
 from __future__ import annotations
 
 import argparse
@@ -20,19 +21,27 @@ COUNTS = ("requests", "input_tokens", "cached_tokens", "output_tokens")
 
 
 def add_usage_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--by", default="org,model,day",
-                        help="group by a comma-separated list of org, user, model, tier, day (default org,model,day)")
+    parser.add_argument(
+        "--by",
+        default="org,model,day",
+        help="group by a comma-separated list of org, user, model, tier, day (default org,model,day)",
+    )
     parser.add_argument("--org", default=None, help="only this organisation (name or id)")
     parser.add_argument("--user", default=None, help="only this user id")
     parser.add_argument("--model", default=None, help="only this model (the served version)")
     parser.add_argument("--since", type=date.fromisoformat, default=None, help="first day, YYYY-MM-DD (UTC)")
     parser.add_argument("--until", type=date.fromisoformat, default=None, help="last day, YYYY-MM-DD (UTC)")
-    parser.add_argument("--costs", action="store_true",
-                        help="cost per million output tokens by model and tier (billing.replica_hour_usd)")
+    parser.add_argument(
+        "--costs",
+        action="store_true",
+        help="cost per million output tokens by model and tier (billing.replica_hour_usd)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--database-url", default=None,
-                        help="default: $TOKENFLEET_DATABASE_URL, else database_url in --config, else the embedded "
-                             "SQLite file")
+    parser.add_argument(
+        "--database-url",
+        default=None,
+        help="default: $TOKENFLEET_DATABASE_URL, else database_url in --config, else the embedded SQLite file",
+    )
     parser.add_argument("--config", default=None, help="fleet.yaml: its database_url and billing prices")
 
 

@@ -5,6 +5,7 @@ template, leaving room for max_tokens, by the same rule the gateway checks (prom
 The oldest turns are dropped whole (a user message with its reply), so the roles keep alternating as chat
 templates expect. Dropped turns are not summarised: a summary costs a generation of its own on every long
 conversation, and its quality is the model's; truncation is exact and free."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,8 +45,15 @@ def encode(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
         raise bad_request(f"the model's chat template refused this conversation: {e}", param="content") from e
 
 
-def fit(tokenizer: Tokenizer, window: int, max_tokens: int, system: str | None, history: list[dict],
-        tail: list[dict], prefix: str = "") -> Prompt:
+def fit(
+    tokenizer: Tokenizer,
+    window: int,
+    max_tokens: int,
+    system: str | None,
+    history: list[dict],
+    tail: list[dict],
+    prefix: str = "",
+) -> Prompt:
     """`history`: earlier messages, oldest first, that may be dropped; `tail`: what must be sent (the message being
     answered); `prefix`: a reply's text so far, which the model continues (it follows the generation prompt)."""
     head = [{"role": "system", "content": system}] if system else []
@@ -63,10 +71,13 @@ def fit(tokenizer: Tokenizer, window: int, max_tokens: int, system: str | None, 
         return best
     best = build(len(groups))
     if best.tokens > budget:
-        raise bad_request(f"this message needs {best.tokens} prompt tokens (with the system prompt"
-                          f"{' and the reply so far' if prefix else ''}) and {max_tokens} for the reply, more than "
-                          f"the model's context window of {window} tokens; shorten it or ask for fewer max_tokens",
-                          param="content", code="context_length_exceeded")
+        raise bad_request(
+            f"this message needs {best.tokens} prompt tokens (with the system prompt"
+            f"{' and the reply so far' if prefix else ''}) and {max_tokens} for the reply, more than "
+            f"the model's context window of {window} tokens; shorten it or ask for fewer max_tokens",
+            param="content",
+            code="context_length_exceeded",
+        )
     low, high = 1, len(groups)  # the smallest start that fits; fewer turns never take more tokens
     while low < high:
         middle = (low + high) // 2

@@ -1,4 +1,5 @@
 """What the conversation store hands out: plain frozen records (never ORM rows), and its errors."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

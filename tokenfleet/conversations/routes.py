@@ -1,6 +1,7 @@
 """The conversations API: conversations, their messages, and replies streamed as Server-Sent Events in the
 design's format (`event: token` with {"type": "token", "text"}, then `event: done` with messageId and usage).
 Every route acts for the caller's own user; another user's ids answer 404, as if they did not exist."""
+
 from __future__ import annotations
 
 import re
@@ -28,8 +29,20 @@ from tokenfleet.store.models import NAME_LENGTH
 from tokenfleet.store.records import NotFound
 
 # what a reply request may set besides model and max_tokens (checked by the chat API's own rules)
-SAMPLING = {"temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
-            "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens"}
+SAMPLING = {
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "ignore_eos",
+    "min_tokens",
+}
 
 
 class NewConversation(BaseModel):
@@ -53,8 +66,10 @@ class ReplyBody(BaseModel):
         extra = dict(self.model_extra or {})
         unknown = sorted(set(extra) - SAMPLING)
         if unknown:
-            raise bad_request(f"unknown field {unknown[0]!r}; a reply takes model, max_tokens and "
-                              f"{', '.join(sorted(SAMPLING))}", param=unknown[0])
+            raise bad_request(
+                f"unknown field {unknown[0]!r}; a reply takes model, max_tokens and {', '.join(sorted(SAMPLING))}",
+                param=unknown[0],
+            )
         return ReplyOptions(self.model, self.max_tokens, extra)
 
 
@@ -67,17 +82,37 @@ def _unix(moment: datetime) -> int:
 
 
 def conversation_json(c: Conversation) -> dict:
-    return {"id": c.id, "object": "conversation", "title": c.title, "model": c.model,
-            "system_prompt": c.system_prompt, "created_at": _unix(c.created_at), "updated_at": _unix(c.updated_at)}
+    return {
+        "id": c.id,
+        "object": "conversation",
+        "title": c.title,
+        "model": c.model,
+        "system_prompt": c.system_prompt,
+        "created_at": _unix(c.created_at),
+        "updated_at": _unix(c.updated_at),
+    }
 
 
 def message_json(m: Message) -> dict:
-    body = {"id": m.id, "object": "conversation.message", "conversation_id": m.conversation_id, "role": m.role,
-            "content": m.content, "status": m.status, "tokens": m.tokens, "created_at": _unix(m.created_at),
-            "updated_at": _unix(m.updated_at)}
+    body = {
+        "id": m.id,
+        "object": "conversation.message",
+        "conversation_id": m.conversation_id,
+        "role": m.role,
+        "content": m.content,
+        "status": m.status,
+        "tokens": m.tokens,
+        "created_at": _unix(m.created_at),
+        "updated_at": _unix(m.updated_at),
+    }
     if m.role == "assistant":
-        body.update(finish_reason=m.finish_reason, model=m.model, request_id=m.request_id, error=m.error,
-                    usage={"input": m.prompt_tokens or 0, "output": m.tokens, "cached": m.cached_tokens or 0})
+        body.update(
+            finish_reason=m.finish_reason,
+            model=m.model,
+            request_id=m.request_id,
+            error=m.error,
+            usage={"input": m.prompt_tokens or 0, "output": m.tokens, "cached": m.cached_tokens or 0},
+        )
     return body
 
 
@@ -97,8 +132,9 @@ def conversation_errors() -> Iterator[None]:
         raise bad_request(str(e), param="cursor") from None
 
 
-def add_conversation_routes(app: FastAPI, gateway: Gateway, db: Database,
-                            settings: ConversationSettings | None = None) -> ConversationService:
+def add_conversation_routes(
+    app: FastAPI, gateway: Gateway, db: Database, settings: ConversationSettings | None = None
+) -> ConversationService:
     """Installs the routes, and on the gateway the sweep for replies a dead gateway left streaming (a service) and
     the shutdown that saves replies still generating (before the database closes)."""
     settings = settings or ConversationSettings()
@@ -129,8 +165,9 @@ def _check_text(text: str | None, what: str, limit: int) -> None:
     if text is None:
         return
     if len(text) > limit:
-        raise APIError(413, f"the {what} is {len(text)} characters long; the most is {limit}", param=what,
-                       code="message_too_large")
+        raise APIError(
+            413, f"the {what} is {len(text)} characters long; the most is {limit}", param=what, code="message_too_large"
+        )
     if "\x00" in text:
         raise bad_request(f"the {what} contains a NUL character", param=what)
     try:
@@ -157,8 +194,9 @@ def _conversation_routes(app: FastAPI, gateway: Gateway, service: ConversationSe
     async def list_conversations(request: Request) -> dict:
         caller = await gateway.auth.caller(request)
         with conversation_errors():
-            page = await store.list_conversations(owner_of(caller), _limit(request, settings),
-                                                  request.query_params.get("cursor"))
+            page = await store.list_conversations(
+                owner_of(caller), _limit(request, settings), request.query_params.get("cursor")
+            )
         return page_json([conversation_json(c) for c in page.data], page.next_cursor)
 
     @app.get("/v1/conversations/{conversation_id}")
@@ -194,8 +232,13 @@ def _message_routes(app: FastAPI, gateway: Gateway, service: ConversationService
         if order not in ("asc", "desc"):
             raise bad_request("order must be asc or desc", param="order")
         with conversation_errors():
-            page = await store.messages(owner_of(caller), conversation_id, _limit(request, settings),
-                                        request.query_params.get("cursor"), newest_first=order == "desc")
+            page = await store.messages(
+                owner_of(caller),
+                conversation_id,
+                _limit(request, settings),
+                request.query_params.get("cursor"),
+                newest_first=order == "desc",
+            )
         return page_json([message_json(m) for m in page.data], page.next_cursor)
 
     @app.get("/v1/messages/{message_id}")
@@ -224,8 +267,9 @@ def _reply_routes(app: FastAPI, gateway: Gateway, service: ConversationService) 
         with conversation_errors():
             # a client that leaves while its request waits for room gives the room back; once it runs, the reply
             # goes on (and is saved) whether the client stays or not
-            _, run = await until_disconnect(request, service.send(caller, conversation_id, body.content,
-                                                                     body.options()))
+            _, run = await until_disconnect(
+                request, service.send(caller, conversation_id, body.content, body.options())
+            )
         return reply_stream(gateway, run)
 
     async def redo(message_id: str, request: Request, continuing: bool) -> SSEResponse:
@@ -247,7 +291,11 @@ def _reply_routes(app: FastAPI, gateway: Gateway, service: ConversationService) 
 def reply_stream(gateway: Gateway, run: Run) -> SSEResponse:
     """The reply's events from its start (`start`, `token`..., `done`), with the gateway's heartbeats and send
     timeout. A client that hangs up only ends its own connection."""
-    headers = {"x-request-id": run.request_id, "x-conversation-id": run.conversation_id,
-               "x-message-id": run.message_id}
-    return SSEResponse(run.follow(), headers, gateway.settings.ping_interval_s, gateway.settings.send_timeout_s,
-                       lambda how: gateway.metrics.stream_endings.labels(how).inc())
+    headers = {"x-request-id": run.request_id, "x-conversation-id": run.conversation_id, "x-message-id": run.message_id}
+    return SSEResponse(
+        run.follow(),
+        headers,
+        gateway.settings.ping_interval_s,
+        gateway.settings.send_timeout_s,
+        lambda how: gateway.metrics.stream_endings.labels(how).inc(),
+    )

@@ -3,11 +3,13 @@ error, retrying), keeps the text, and turns them into the conversation stream's 
 `retrying`, then `done`) for any number of client connections, each reading them like a stream of the resume
 buffer. It runs on its own, so a client that hangs up changes nothing: the reply goes on and is saved, and a
 refresh shows it."""
+
 from __future__ import annotations
 
 import asyncio
 import json
 from dataclasses import dataclass, field
+
 from tokenfleet.conversations.records import COMPLETE, FAILED, STOPPED, Message, Outcome
 from tokenfleet.conversations.store import storable
 from tokenfleet.gateway.relay import Relay
@@ -70,32 +72,53 @@ class Run:
             status, error = FAILED, f"generation was cut short ({self.relay.cancel_reason}); regenerate it"
         elif self.finish_reason not in ("stop", "length"):
             status, error = FAILED, "the replica ended the reply without finishing it; regenerate it"
-        return Outcome(self.content, status, self.finish_reason if status == COMPLETE else None,
-                       self.prior_tokens + generated, prompt, cached, error)
+        return Outcome(
+            self.content,
+            status,
+            self.finish_reason if status == COMPLETE else None,
+            self.prior_tokens + generated,
+            prompt,
+            cached,
+            error,
+        )
 
     def end(self, outcome: Outcome, saved: Message | None) -> None:
         """The reply is over (and saved, unless the database failed): the `done` event, then no more."""
         self.result = saved
         status = saved.status if saved is not None else outcome.status
         prompt, generated, cached = self.usage()
-        self._publish("done", {"type": "done", "messageId": self.message_id, "status": status,
-                               "finishReason": outcome.finish_reason if status == COMPLETE else None,
-                               "usage": {"input": prompt or 0, "output": generated, "cached": cached or 0},
-                               **({"error": outcome.error} if status == FAILED else {})})
+        self._publish(
+            "done",
+            {
+                "type": "done",
+                "messageId": self.message_id,
+                "status": status,
+                "finishReason": outcome.finish_reason if status == COMPLETE else None,
+                "usage": {"input": prompt or 0, "output": generated, "cached": cached or 0},
+                **({"error": outcome.error} if status == FAILED else {}),
+            },
+        )
         self.done.set()
 
     def started(self, user_message_id: str | None) -> None:
         """The `start` event: the ids, so a client can stop the reply before it ends."""
-        self._publish("start", {"type": "start", "conversationId": self.conversation_id, "messageId": self.message_id,
-                                "requestId": self.request_id,
-                                **({"userMessageId": user_message_id} if user_message_id else {})})
+        self._publish(
+            "start",
+            {
+                "type": "start",
+                "conversationId": self.conversation_id,
+                "messageId": self.message_id,
+                "requestId": self.request_id,
+                **({"userMessageId": user_message_id} if user_message_id else {}),
+            },
+        )
 
     def _publish(self, name: str, data: dict) -> None:
         self.events.append(StreamEvent(len(self.events) + 1, json.dumps(data), name))
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
-    def follow(self) -> "RunFollower":
+    def follow(self) -> RunFollower:
         return RunFollower(self)
 
 
@@ -116,5 +139,5 @@ class RunFollower:
                     await run._changed.wait()
             except TimeoutError:
                 return []
-        new, self.position = run.events[self.position:], len(run.events)
+        new, self.position = run.events[self.position :], len(run.events)
         return new

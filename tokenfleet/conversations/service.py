@@ -4,6 +4,7 @@ while it streams, and end it complete, stopped or failed.
 
 The gateway admits the request before any row is written, so a refused request (429, 503, a prompt too long)
 leaves the conversation as it was."""
+
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 
 from tokenfleet.api.errors import not_found
 from tokenfleet.conversations.prompt import Prompt, fit
-from tokenfleet.conversations.records import STREAMING, STOPPED, Conflict, Message, Owner
+from tokenfleet.conversations.records import STOPPED, STREAMING, Conflict, Message, Owner
 from tokenfleet.conversations.run import Run
 from tokenfleet.conversations.settings import ConversationSettings
 from tokenfleet.conversations.store import ConversationStore, check_reopenable
@@ -38,8 +39,11 @@ def owner_of(caller: Caller) -> Owner:
 
 def as_prompt(messages: list[Message]) -> list[dict]:
     """What the model sees of earlier messages: replies with text that are not still streaming."""
-    return [{"role": m.role, "content": m.content} for m in messages
-            if m.role == "user" or (m.content and m.status != STREAMING)]
+    return [
+        {"role": m.role, "content": m.content}
+        for m in messages
+        if m.role == "user" or (m.content and m.status != STREAMING)
+    ]
 
 
 class ConversationService:
@@ -68,26 +72,35 @@ class ConversationService:
 
     # --- starting replies -------------------------------------------------------------------------------------
 
-    async def send(self, caller: Caller, conversation_id: str, content: str,
-                   options: ReplyOptions) -> tuple[Message, Run]:
+    async def send(
+        self, caller: Caller, conversation_id: str, content: str, options: ReplyOptions
+    ) -> tuple[Message, Run]:
         """Adds the user's message and starts the reply; returns the message and the running reply."""
         owner = owner_of(caller)
         conv = await self.store.get(owner, conversation_id)
         history = await self.store.history(owner, conversation_id)
         busy = next((m for m in history if m.status == STREAMING), None)
         if busy is not None:
-            raise Conflict(f"a reply is still streaming in this conversation (message {busy.id}); wait for it or "
-                           "stop it first")
+            raise Conflict(
+                f"a reply is still streaming in this conversation (message {busy.id}); wait for it or stop it first"
+            )
         model = options.model or conv.model
         info = self.model_info(model)
         max_tokens = self._max_tokens(options, info)
-        prompt = fit(info.tokenizer, info.max_model_len, max_tokens, conv.system_prompt, as_prompt(history),
-                     [{"role": "user", "content": content}])
+        prompt = fit(
+            info.tokenizer,
+            info.max_model_len,
+            max_tokens,
+            conv.system_prompt,
+            as_prompt(history),
+            [{"role": "user", "content": content}],
+        )
         relay = await self._admit(caller, conversation_id, model, prompt, max_tokens, options, continuing=False)
         try:
             tokens = len(info.tokenizer.encode(content, add_special_tokens=False))
-            user, reply = await self.store.add_turn(owner, conversation_id, content, tokens, relay.request_id,
-                                                    relay.route.model)
+            user, reply = await self.store.add_turn(
+                owner, conversation_id, content, tokens, relay.request_id, relay.route.model
+            )
         except BaseException:
             relay.cancel("api")
             raise
@@ -106,9 +119,15 @@ class ConversationService:
         model = options.model or conv.model
         info = self.model_info(model)
         max_tokens = self._max_tokens(options, info)
-        prompt = fit(info.tokenizer, info.max_model_len, max_tokens, conv.system_prompt,
-                     as_prompt(earlier[:len(earlier) - len(tail)]), as_prompt(tail),
-                     prefix=msg.content if continuing else "")
+        prompt = fit(
+            info.tokenizer,
+            info.max_model_len,
+            max_tokens,
+            conv.system_prompt,
+            as_prompt(earlier[: len(earlier) - len(tail)]),
+            as_prompt(tail),
+            prefix=msg.content if continuing else "",
+        )
         relay = await self._admit(caller, conv.id, model, prompt, max_tokens, options, continuing)
         try:
             reply = await self.store.reopen(owner, message_id, relay.request_id, relay.route.model, continuing)
@@ -119,21 +138,36 @@ class ConversationService:
             return self._start(relay, reply, reply.content, reply.tokens)
         return self._start(relay, reply)
 
-    async def _admit(self, caller: Caller, conversation_id: str, model: str, prompt: Prompt, max_tokens: int,
-                     options: ReplyOptions, continuing: bool) -> Relay:
+    async def _admit(
+        self,
+        caller: Caller,
+        conversation_id: str,
+        model: str,
+        prompt: Prompt,
+        max_tokens: int,
+        options: ReplyOptions,
+        continuing: bool,
+    ) -> Relay:
         """Through the gateway: a chat request, or for continue a text completion of the prompt's tokens (the
         generation prompt, then the reply's text so far, so the model goes on from there)."""
-        body = {**options.sampling, "model": model, "max_tokens": max_tokens, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            **options.sampling,
+            "model": model,
+            "max_tokens": max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if continuing:
             body["prompt"] = prompt.token_ids
         else:
             body["messages"] = prompt.messages
-        return await self.gateway.admit("text" if continuing else "chat", body, caller, native=True,
-                                        affinity=conversation_id)
+        return await self.gateway.admit(
+            "text" if continuing else "chat", body, caller, native=True, affinity=conversation_id
+        )
 
-    def _start(self, relay: Relay, reply: Message, prefix: str = "", prior_tokens: int = 0,
-               user_message_id: str | None = None) -> Run:
+    def _start(
+        self, relay: Relay, reply: Message, prefix: str = "", prior_tokens: int = 0, user_message_id: str | None = None
+    ) -> Run:
         run = Run(reply.id, reply.conversation_id, relay, prefix, prior_tokens)
         run.started(user_message_id)
         self.runs[reply.id] = run
@@ -159,6 +193,7 @@ class ConversationService:
 
     async def _read(self, run: Run) -> None:
         """The relay's events until its stream closes; never longer than END_GRACE_S after the relay ended."""
+
         async def read() -> None:
             async for event in self.gateway.buffer.read(run.request_id, 0):
                 run.apply(event)
@@ -183,8 +218,9 @@ class ConversationService:
         while True:
             await asyncio.sleep(self.settings.save_interval_s)
             try:
-                mine = await self.store.save_progress(run.message_id, run.request_id, run.content,
-                                                      run.prior_tokens + run.usage()[1])
+                mine = await self.store.save_progress(
+                    run.message_id, run.request_id, run.content, run.prior_tokens + run.usage()[1]
+                )
             except Exception as e:  # a slow or failing database must not stop the reply; the final save retries
                 log.warning("could not save reply %s: %r", run.message_id, e)
                 continue

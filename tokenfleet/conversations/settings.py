@@ -1,4 +1,5 @@
 """`conversations:` in fleet.yaml."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,5 +20,7 @@ class ConversationSettings:
         if not self.save_interval_s > 0:
             raise ValueError(f"save_interval_s must be positive, got {self.save_interval_s}")
         if not self.stale_after_s >= 3 * self.save_interval_s:
-            raise ValueError(f"stale_after_s ({self.stale_after_s}) must be at least three save intervals "
-                             f"({3 * self.save_interval_s}), or live replies would be taken for dead ones")
+            raise ValueError(
+                f"stale_after_s ({self.stale_after_s}) must be at least three save intervals "
+                f"({3 * self.save_interval_s}), or live replies would be taken for dead ones"
+            )

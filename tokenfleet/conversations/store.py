@@ -4,6 +4,7 @@ fleet). Every query is scoped by the owner, so another user's ids are simply not
 Writes to one conversation take turns: a transaction that adds or reopens a reply first updates the
 conversation's row, which holds PostgreSQL's row lock (SQLite's write lock) until it commits, so two replies can
 never stream in one conversation at once and sequence numbers never collide."""
+
 from __future__ import annotations
 
 import re
@@ -15,8 +16,18 @@ from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from tokenfleet.conversations import cursors
-from tokenfleet.conversations.records import (COMPLETE, FAILED, STOPPED, STREAMING, Conflict, Conversation, Message,
-                                              Outcome, Owner, Page)
+from tokenfleet.conversations.records import (
+    COMPLETE,
+    FAILED,
+    STOPPED,
+    STREAMING,
+    Conflict,
+    Conversation,
+    Message,
+    Outcome,
+    Owner,
+    Page,
+)
 from tokenfleet.store.api_keys import new_id
 from tokenfleet.store.db import Database
 from tokenfleet.store.models import ConversationRow, MessageRow, utcnow
@@ -46,14 +57,28 @@ def conversation(row: ConversationRow) -> Conversation:
 
 
 def message(row: MessageRow) -> Message:
-    return Message(row.id, row.conversation_id, row.seq, row.role, row.content, row.status, row.finish_reason,
-                   row.model, row.request_id, row.tokens, row.prompt_tokens, row.cached_tokens, row.error,
-                   row.created_at, row.updated_at)
+    return Message(
+        row.id,
+        row.conversation_id,
+        row.seq,
+        row.role,
+        row.content,
+        row.status,
+        row.finish_reason,
+        row.model,
+        row.request_id,
+        row.tokens,
+        row.prompt_tokens,
+        row.cached_tokens,
+        row.error,
+        row.created_at,
+        row.updated_at,
+    )
 
 
 def title_of(content: str) -> str:
     line = next((line.strip() for line in content.splitlines() if line.strip()), "")
-    return line if len(line) <= TITLE_CHARS else line[:TITLE_CHARS - 1].rstrip() + "…"
+    return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1].rstrip() + "…"
 
 
 def check_reopenable(msg: Message, last_seq: int, continuing: bool) -> None:
@@ -67,8 +92,11 @@ def check_reopenable(msg: Message, last_seq: int, continuing: bool) -> None:
     if msg.seq != last_seq:
         raise Conflict(f"message {msg.id} is not the conversation's last reply; only that one can be {verb}")
     if continuing and not (msg.status == STOPPED or (msg.status == COMPLETE and msg.finish_reason == "length")):
-        raise Conflict(f"message {msg.id} is {msg.status}" + (f" ({msg.finish_reason})" if msg.finish_reason else "")
-                       + "; only a stopped reply or one cut off at max_tokens can be continued")
+        raise Conflict(
+            f"message {msg.id} is {msg.status}"
+            + (f" ({msg.finish_reason})" if msg.finish_reason else "")
+            + "; only a stopped reply or one cut off at max_tokens can be continued"
+        )
 
 
 class ConversationStore:
@@ -82,11 +110,20 @@ class ConversationStore:
 
     # --- conversations ----------------------------------------------------------------------------------------
 
-    async def create(self, owner: Owner, model: str, title: str | None = None,
-                     system_prompt: str | None = None) -> Conversation:
+    async def create(
+        self, owner: Owner, model: str, title: str | None = None, system_prompt: str | None = None
+    ) -> Conversation:
         now = utcnow()
-        row = ConversationRow(id=new_id("conv"), org_id=owner.org_id, user_id=owner.user_id, title=title,
-                              system_prompt=system_prompt, model=model, created_at=now, updated_at=now)
+        row = ConversationRow(
+            id=new_id("conv"),
+            org_id=owner.org_id,
+            user_id=owner.user_id,
+            title=title,
+            system_prompt=system_prompt,
+            model=model,
+            created_at=now,
+            updated_at=now,
+        )
         async with self._transaction() as session:
             session.add(row)
         return conversation(row)
@@ -97,18 +134,25 @@ class ConversationStore:
             return conversation(await self._owned(session, owner, conversation_id))
 
     async def _owned(self, session: AsyncSession, owner: Owner, conversation_id: str) -> ConversationRow:
-        row = await session.scalar(select(ConversationRow).where(
-            ConversationRow.id == conversation_id, ConversationRow.org_id == owner.org_id,
-            ConversationRow.user_id == owner.user_id))
+        row = await session.scalar(
+            select(ConversationRow).where(
+                ConversationRow.id == conversation_id,
+                ConversationRow.org_id == owner.org_id,
+                ConversationRow.user_id == owner.user_id,
+            )
+        )
         if row is None:
             raise NotFound(f"no conversation {conversation_id!r}")
         return row
 
     async def list_conversations(self, owner: Owner, limit: int, cursor: str | None = None) -> Page:
         """The owner's conversations, most recently active first."""
-        query = (select(ConversationRow)
-                 .where(ConversationRow.org_id == owner.org_id, ConversationRow.user_id == owner.user_id)
-                 .order_by(ConversationRow.updated_at.desc(), ConversationRow.id.desc()).limit(limit + 1))
+        query = (
+            select(ConversationRow)
+            .where(ConversationRow.org_id == owner.org_id, ConversationRow.user_id == owner.user_id)
+            .order_by(ConversationRow.updated_at.desc(), ConversationRow.id.desc())
+            .limit(limit + 1)
+        )
         if cursor is not None:
             moment, last_id = cursors.decode(cursor, "c", str, str)
             try:
@@ -117,14 +161,19 @@ class ConversationStore:
                 at = None
             if at is None or at.tzinfo is None or not ID_PATTERN.fullmatch(last_id):
                 raise cursors.BadCursor(f"cursor {cursor[:40]!r} is not one this listing gave out")
-            query = query.where(or_(ConversationRow.updated_at < at,
-                                    and_(ConversationRow.updated_at == at, ConversationRow.id < last_id)))
+            query = query.where(
+                or_(
+                    ConversationRow.updated_at < at,
+                    and_(ConversationRow.updated_at == at, ConversationRow.id < last_id),
+                )
+            )
         async with self._transaction() as session:
             rows = list(await session.scalars(query))
         more, rows = len(rows) > limit, rows[:limit]
         last = rows[-1] if rows else None
-        return Page([conversation(r) for r in rows],
-                    cursors.encode("c", last.updated_at.isoformat(), last.id) if more else None)
+        return Page(
+            [conversation(r) for r in rows], cursors.encode("c", last.updated_at.isoformat(), last.id) if more else None
+        )
 
     async def set_title(self, owner: Owner, conversation_id: str, title: str | None) -> Conversation:
         known(conversation_id, "conversation")
@@ -138,8 +187,13 @@ class ConversationStore:
         known(conversation_id, "conversation")
         async with self._transaction() as session:
             await self._owned(session, owner, conversation_id)
-            streaming = list(await session.scalars(select(MessageRow.id).where(
-                MessageRow.conversation_id == conversation_id, MessageRow.status == STREAMING)))
+            streaming = list(
+                await session.scalars(
+                    select(MessageRow.id).where(
+                        MessageRow.conversation_id == conversation_id, MessageRow.status == STREAMING
+                    )
+                )
+            )
             await session.execute(delete(MessageRow).where(MessageRow.conversation_id == conversation_id))
             await session.execute(delete(ConversationRow).where(ConversationRow.id == conversation_id))
         return streaming
@@ -151,16 +205,17 @@ class ConversationStore:
         await self.fail_stale(known(conversation_id, "conversation"))
         async with self._transaction() as session:
             await self._owned(session, owner, conversation_id)
-            rows = await session.scalars(select(MessageRow).where(MessageRow.conversation_id == conversation_id)
-                                         .order_by(MessageRow.seq))
+            rows = await session.scalars(
+                select(MessageRow).where(MessageRow.conversation_id == conversation_id).order_by(MessageRow.seq)
+            )
             return [message(r) for r in rows]
 
-    async def messages(self, owner: Owner, conversation_id: str, limit: int, cursor: str | None = None,
-                       newest_first: bool = True) -> Page:
+    async def messages(
+        self, owner: Owner, conversation_id: str, limit: int, cursor: str | None = None, newest_first: bool = True
+    ) -> Page:
         await self.fail_stale(known(conversation_id, "conversation"))
         order = MessageRow.seq.desc() if newest_first else MessageRow.seq
-        query = (select(MessageRow).where(MessageRow.conversation_id == conversation_id).order_by(order)
-                 .limit(limit + 1))
+        query = select(MessageRow).where(MessageRow.conversation_id == conversation_id).order_by(order).limit(limit + 1)
         if cursor is not None:
             (after,) = cursors.decode(cursor, "m" + ("d" if newest_first else "a"), int)
             if not 0 <= after <= MAX_SEQ:
@@ -186,9 +241,14 @@ class ConversationStore:
 
     async def _owned_message(self, session: AsyncSession, owner: Owner, message_id: str) -> MessageRow:
         row = await session.scalar(
-            select(MessageRow).join(ConversationRow, MessageRow.conversation_id == ConversationRow.id)
-            .where(MessageRow.id == message_id, ConversationRow.org_id == owner.org_id,
-                   ConversationRow.user_id == owner.user_id))
+            select(MessageRow)
+            .join(ConversationRow, MessageRow.conversation_id == ConversationRow.id)
+            .where(
+                MessageRow.id == message_id,
+                ConversationRow.org_id == owner.org_id,
+                ConversationRow.user_id == owner.user_id,
+            )
+        )
         if row is None:
             raise NotFound(f"no message {message_id!r}")
         return row
@@ -197,52 +257,91 @@ class ConversationStore:
 
     async def _take_turn(self, session: AsyncSession, owner: Owner, conversation_id: str) -> ConversationRow:
         """Locks the conversation for this transaction (see the module's docstring)."""
-        touched = await session.execute(update(ConversationRow).where(
-            ConversationRow.id == conversation_id, ConversationRow.org_id == owner.org_id,
-            ConversationRow.user_id == owner.user_id).values(updated_at=utcnow()))
+        touched = await session.execute(
+            update(ConversationRow)
+            .where(
+                ConversationRow.id == conversation_id,
+                ConversationRow.org_id == owner.org_id,
+                ConversationRow.user_id == owner.user_id,
+            )
+            .values(updated_at=utcnow())
+        )
         if touched.rowcount == 0:
             raise NotFound(f"no conversation {conversation_id!r}")
         return await self._owned(session, owner, conversation_id)
 
-    async def add_turn(self, owner: Owner, conversation_id: str, content: str, tokens: int, request_id: str,
-                       model: str) -> tuple[Message, Message]:
+    async def add_turn(
+        self, owner: Owner, conversation_id: str, content: str, tokens: int, request_id: str, model: str
+    ) -> tuple[Message, Message]:
         """The user's message and the reply that will stream into it (empty, status streaming)."""
         known(conversation_id, "conversation")
         async with self._transaction() as session:
             conv = await self._take_turn(session, owner, conversation_id)
-            busy = await session.scalar(select(MessageRow.id).where(
-                MessageRow.conversation_id == conversation_id, MessageRow.status == STREAMING).limit(1))
+            busy = await session.scalar(
+                select(MessageRow.id)
+                .where(MessageRow.conversation_id == conversation_id, MessageRow.status == STREAMING)
+                .limit(1)
+            )
             if busy is not None:
-                raise Conflict(f"a reply is still streaming in this conversation (message {busy}); wait for it "
-                               "or stop it first")
-            last = await session.scalar(select(func.max(MessageRow.seq))
-                                        .where(MessageRow.conversation_id == conversation_id)) or 0
+                raise Conflict(
+                    f"a reply is still streaming in this conversation (message {busy}); wait for it or stop it first"
+                )
+            last = (
+                await session.scalar(
+                    select(func.max(MessageRow.seq)).where(MessageRow.conversation_id == conversation_id)
+                )
+                or 0
+            )
             if conv.title is None:
                 conv.title = title_of(content) or None
             now = utcnow()
-            user = MessageRow(id=new_id("msg"), conversation_id=conversation_id, seq=last + 1, role="user",
-                              content=content, status=COMPLETE, tokens=tokens, created_at=now, updated_at=now)
-            reply = MessageRow(id=new_id("msg"), conversation_id=conversation_id, seq=last + 2, role="assistant",
-                               content="", status=STREAMING, model=model, request_id=request_id, tokens=0,
-                               created_at=now, updated_at=now)
+            user = MessageRow(
+                id=new_id("msg"),
+                conversation_id=conversation_id,
+                seq=last + 1,
+                role="user",
+                content=content,
+                status=COMPLETE,
+                tokens=tokens,
+                created_at=now,
+                updated_at=now,
+            )
+            reply = MessageRow(
+                id=new_id("msg"),
+                conversation_id=conversation_id,
+                seq=last + 2,
+                role="assistant",
+                content="",
+                status=STREAMING,
+                model=model,
+                request_id=request_id,
+                tokens=0,
+                created_at=now,
+                updated_at=now,
+            )
             session.add_all([user, reply])
             return message(user), message(reply)
 
-    async def reopen(self, owner: Owner, message_id: str, request_id: str, model: str,
-                     continuing: bool) -> Message:
+    async def reopen(self, owner: Owner, message_id: str, request_id: str, model: str, continuing: bool) -> Message:
         """The conversation's last reply streams again: from scratch (regenerate) or after its text (continue)."""
         known(message_id, "message")
         async with self._transaction() as session:
             row = await self._owned_message(session, owner, message_id)
             await self._take_turn(session, owner, row.conversation_id)
             await session.refresh(row)
-            last = await session.scalar(select(func.max(MessageRow.seq))
-                                        .where(MessageRow.conversation_id == row.conversation_id))
+            last = await session.scalar(
+                select(func.max(MessageRow.seq)).where(MessageRow.conversation_id == row.conversation_id)
+            )
             check_reopenable(message(row), last, continuing)
             if not continuing:
                 row.content, row.tokens = "", 0
-            row.status, row.request_id, row.model, row.finish_reason, row.error = (STREAMING, request_id, model,
-                                                                                   None, None)
+            row.status, row.request_id, row.model, row.finish_reason, row.error = (
+                STREAMING,
+                request_id,
+                model,
+                None,
+                None,
+            )
             row.updated_at = utcnow()
             return message(row)
 
@@ -250,20 +349,30 @@ class ConversationStore:
         """Saves a streaming reply's text so far; False when it is no longer this generation's to write (stopped
         from another gateway, given up as stale, regenerated or deleted)."""
         async with self._transaction() as session:
-            saved = await session.execute(update(MessageRow).where(
-                MessageRow.id == message_id, MessageRow.request_id == request_id, MessageRow.status == STREAMING)
-                .values(content=storable(content), tokens=tokens, updated_at=utcnow()))
+            saved = await session.execute(
+                update(MessageRow)
+                .where(MessageRow.id == message_id, MessageRow.request_id == request_id, MessageRow.status == STREAMING)
+                .values(content=storable(content), tokens=tokens, updated_at=utcnow())
+            )
             return saved.rowcount == 1
 
     async def finish(self, message_id: str, request_id: str, outcome: Outcome) -> Message | None:
         """The reply's final text and status. If someone else ended it meanwhile (a stop through another gateway),
         their status stands and only the text is saved. None when the message is gone."""
         mine = and_(MessageRow.id == message_id, MessageRow.request_id == request_id)
-        counts = dict(content=storable(outcome.content), tokens=outcome.tokens, prompt_tokens=outcome.prompt_tokens,
-                      cached_tokens=outcome.cached_tokens, updated_at=utcnow())
+        counts = dict(
+            content=storable(outcome.content),
+            tokens=outcome.tokens,
+            prompt_tokens=outcome.prompt_tokens,
+            cached_tokens=outcome.cached_tokens,
+            updated_at=utcnow(),
+        )
         async with self._transaction() as session:
-            ended = await session.execute(update(MessageRow).where(mine, MessageRow.status == STREAMING).values(
-                status=outcome.status, finish_reason=outcome.finish_reason, error=outcome.error, **counts))
+            ended = await session.execute(
+                update(MessageRow)
+                .where(mine, MessageRow.status == STREAMING)
+                .values(status=outcome.status, finish_reason=outcome.finish_reason, error=outcome.error, **counts)
+            )
             if ended.rowcount == 0:
                 await session.execute(update(MessageRow).where(mine).values(**counts))
             row = await session.get(MessageRow, message_id)
@@ -273,13 +382,16 @@ class ConversationStore:
         """Marks a streaming reply stopped (its generation, wherever it runs, sees that at its next save)."""
         found = await self.message(owner, message_id)
         async with self._transaction() as session:
-            stopped = await session.execute(update(MessageRow).where(
-                MessageRow.id == message_id, MessageRow.status == STREAMING).values(status=STOPPED,
-                                                                                      updated_at=utcnow()))
+            stopped = await session.execute(
+                update(MessageRow)
+                .where(MessageRow.id == message_id, MessageRow.status == STREAMING)
+                .values(status=STOPPED, updated_at=utcnow())
+            )
         if stopped.rowcount == 0:
             found = await self.message(owner, message_id)
-            raise Conflict(f"message {message_id} is not streaming (it is {found.status}); only a streaming reply "
-                           "can be stopped")
+            raise Conflict(
+                f"message {message_id} is not streaming (it is {found.status}); only a streaming reply can be stopped"
+            )
         return await self.message(owner, found.id)
 
     async def fail_stale(self, conversation_id: str | None = None) -> int:
@@ -292,6 +404,7 @@ class ConversationStore:
             if await session.scalar(select(MessageRow.id).where(stale).limit(1)) is None:
                 return 0
         async with self._transaction() as session:
-            failed = await session.execute(update(MessageRow).where(stale).values(status=FAILED, error=LOST,
-                                                                                  updated_at=utcnow()))
+            failed = await session.execute(
+                update(MessageRow).where(stale).values(status=FAILED, error=LOST, updated_at=utcnow())
+            )
             return failed.rowcount

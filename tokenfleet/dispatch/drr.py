@@ -8,12 +8,13 @@ out the heavy tenant's whole turn (up to one quantum of its tokens): keep the qu
 cost (docs/benchmarks/fair_share.md measures both). Backlogged tenants get `quantum` tokens per turn, carrying what they did not
 spend, so over time each gets the same tokens whatever its request sizes; one turn is at most one quantum plus
 the carried remainder (less than one request)."""
+
 from __future__ import annotations
 
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 
 class Queued(Protocol):
@@ -27,24 +28,27 @@ class Queued(Protocol):
     def enqueued_at(self) -> float: ...
 
 
+QueuedT = TypeVar("QueuedT", bound=Queued)
+
+
 @dataclass
-class _Tenant:
-    fifo: deque = field(default_factory=deque)
+class _Tenant(Generic[QueuedT]):
+    fifo: deque[QueuedT] = field(default_factory=deque)
     deficit: int = 0
 
 
-class TenantRoundRobin:
+class TenantRoundRobin(Generic[QueuedT]):
     def __init__(self, quantum: int) -> None:
         if isinstance(quantum, bool) or not isinstance(quantum, int) or quantum < 1:
             raise ValueError(f"quantum_tokens must be a positive whole number of tokens, got {quantum!r}")
         self.quantum = quantum
-        self._tenants: dict[str, _Tenant] = {}  # every tenant listed in _new or _old, maybe with an empty FIFO
+        self._tenants: dict[str, _Tenant[QueuedT]] = {}  # every tenant listed in _new or _old, maybe with an empty FIFO
         self._new: deque[str] = deque()
         self._old: deque[str] = deque()
         self.queued = 0
         self.queued_tokens = 0
 
-    def push(self, item: Queued) -> None:
+    def push(self, item: QueuedT) -> None:
         state = self._tenants.get(item.tenant)
         if state is None:
             state = self._tenants[item.tenant] = _Tenant(deficit=self.quantum)
@@ -53,7 +57,7 @@ class TenantRoundRobin:
         self.queued += 1
         self.queued_tokens += item.cost
 
-    def pop(self) -> Queued | None:
+    def pop(self) -> QueuedT | None:
         """The next item by deficit round-robin, or None when nothing is queued."""
         fruitless = 0  # turns in a row that dispatched nothing
         while self._new or self._old:
@@ -79,11 +83,11 @@ class TenantRoundRobin:
                 fruitless = 0
         return None
 
-    def head(self, tenant: str) -> Queued | None:
+    def head(self, tenant: str) -> QueuedT | None:
         state = self._tenants.get(tenant)
         return state.fifo[0] if state is not None and state.fifo else None
 
-    def remove(self, item: Queued) -> bool:
+    def remove(self, item: QueuedT) -> bool:
         """Take `item` out wherever it is (cancelled, or dispatched out of turn); its tenant keeps its place."""
         state = self._tenants.get(item.tenant)
         if state is None:
@@ -100,7 +104,7 @@ class TenantRoundRobin:
         heads = [state.fifo[0].enqueued_at for state in self._tenants.values() if state.fifo]
         return min(heads, default=None)
 
-    def _take(self, state: _Tenant) -> Queued:
+    def _take(self, state: _Tenant[QueuedT]) -> QueuedT:
         item = state.fifo.popleft()
         self.queued -= 1
         self.queued_tokens -= item.cost

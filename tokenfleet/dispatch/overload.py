@@ -5,6 +5,7 @@ Level 0: normal. 1: pause the batch tiers. 2: free requests get a smaller max_to
 Paid requests are never shed by the ladder. The gateway applies a plan before prefill, so nothing shed has used
 GPU time. Levels move one step per update; going down needs the projected TTFT to stay well below the step's
 threshold for a cool-down, so the ladder does not flap at a boundary."""
+
 from __future__ import annotations
 
 import logging
@@ -65,15 +66,17 @@ class OverloadSettings:
             raise ValueError(f"ttft_target_s must be positive, got {self.ttft_target_s!r}")
         if len(self.thresholds) != MAX_LEVEL:
             raise ValueError(f"thresholds needs {MAX_LEVEL} values (levels 1..{MAX_LEVEL}), got {self.thresholds!r}")
-        if not all(t > 0 for t in self.thresholds) or any(a >= b for a, b in zip(self.thresholds,
-                                                                                  self.thresholds[1:])):
+        if not all(t > 0 for t in self.thresholds) or any(a >= b for a, b in zip(self.thresholds, self.thresholds[1:])):
             raise ValueError(f"thresholds must be positive and strictly increasing, got {self.thresholds!r}")
         if not 0 < self.step_down_ratio < 1:
             raise ValueError(f"step_down_ratio must be in (0, 1), got {self.step_down_ratio!r}")
         if not self.cool_down_s >= 0:
             raise ValueError(f"cool_down_s must be >= 0, got {self.cool_down_s!r}")
-        if isinstance(self.free_max_tokens, bool) or not isinstance(self.free_max_tokens, int) \
-                or self.free_max_tokens < 1:
+        if (
+            isinstance(self.free_max_tokens, bool)
+            or not isinstance(self.free_max_tokens, int)
+            or self.free_max_tokens < 1
+        ):
             raise ValueError(f"free_max_tokens must be a positive whole number, got {self.free_max_tokens!r}")
         if not self.shed_retry_after_s > 0:
             raise ValueError(f"shed_retry_after_s must be positive, got {self.shed_retry_after_s!r}")
@@ -161,7 +164,12 @@ class OverloadLadder:
 
     def _move(self, level: int, ttft: float) -> None:
         up = level > self.level
-        (log.warning if up else log.info)("overload level %d -> %d (projected TTFT %.2f s, target %.2f s)",
-                                          self.level, level, ttft, self.settings.ttft_target_s)
+        (log.warning if up else log.info)(
+            "overload level %d -> %d (projected TTFT %.2f s, target %.2f s)",
+            self.level,
+            level,
+            ttft,
+            self.settings.ttft_target_s,
+        )
         self.level = level
         self._calm_since = None

@@ -4,6 +4,7 @@ room; every freed slot pulls the next ticket.
 Order, when more wait than fit: first a provisioned tenant below its guaranteed share (reservations.py), then
 weighted fair queuing across tiers by token cost (wfq.py), then deficit round-robin across the tenants of the
 chosen tier (drr.py). Quotas (rate limits) are a separate mechanism that runs before a ticket gets here."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from tokenfleet.dispatch.drr import TenantRoundRobin
-from tokenfleet.dispatch.records import DispatchSnapshot, Slot, Ticket, TierSnapshot
 from tokenfleet.dispatch.reservations import Reservations
+from tokenfleet.dispatch.tickets import DispatchSnapshot, Slot, Ticket, TierSnapshot
 from tokenfleet.dispatch.wfq import TierFairQueue
 
 if TYPE_CHECKING:  # config imports torch; the dispatcher only needs each tier's weight and priority
@@ -28,7 +29,7 @@ class Grant(Protocol):
 
     def done(self) -> bool: ...
 
-    def set_result(self, result: Slot) -> None: ...
+    def set_result(self, result: Slot, /) -> None: ...
 
     def result(self) -> Slot: ...
 
@@ -54,6 +55,15 @@ class _Waiter:
         return self.ticket.enqueued_at
 
 
+class Submission:
+    """What Dispatcher.submit returns, to hand back to Dispatcher.withdraw; opaque to the submitter."""
+
+    __slots__ = ("_waiter",)
+
+    def __init__(self, waiter: _Waiter) -> None:
+        self._waiter = waiter
+
+
 @dataclass(frozen=True)
 class _Limit:
     """These tiers together are granted at most max_tokens (tickets' cost) within any window_s."""
@@ -65,10 +75,11 @@ class _Limit:
 
 @dataclass
 class _Tier:
-    queue: TenantRoundRobin
+    queue: TenantRoundRobin[_Waiter]
     paused: bool = False
     limit: _Limit | None = None
-    granted: deque = field(default_factory=deque)  # (when, cost) of its recent grants, kept while it has a limit
+    # (when, cost) of its recent grants, kept while it has a limit
+    granted: deque[tuple[float, int]] = field(default_factory=deque)
     granted_tokens: int = 0  # the costs in `granted`, summed
     dispatched: int = 0
     dispatched_tokens: int = 0
@@ -94,9 +105,15 @@ class Dispatcher:
     """One model pool's queues. `slots` is the room in the pool (requests that may run at once across its
     replicas). Use it from one event loop; it is not thread-safe."""
 
-    def __init__(self, tiers: Mapping[str, TierConfig], slots: int, quantum_tokens: int = 2048,
-                 provisioned: Mapping[str, float] | None = None, clock: Callable[[], float] = time.monotonic,
-                 provisioned_window_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        tiers: Mapping[str, TierConfig],
+        slots: int,
+        quantum_tokens: int = 2048,
+        provisioned: Mapping[str, float] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        provisioned_window_s: float = 10.0,
+    ) -> None:
         if not tiers:
             raise ValueError("a dispatcher needs at least one tier")
         self._clock = clock
@@ -115,16 +132,24 @@ class Dispatcher:
     async def acquire(self, ticket: Ticket) -> Slot:
         """A slot for this ticket: at once when the pool has room for it, else after waiting its turn. Cancelling
         the waiting task takes the ticket out of its queue (and gives back a slot granted in the meantime)."""
-        waiter = self.submit(ticket, asyncio.get_running_loop().create_future())
+        future: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
+        waiter = self._submit(ticket, future)
         try:
-            return await waiter.future
+            return await future
         except asyncio.CancelledError:
             self._abandon(waiter)
             raise
 
-    def submit(self, ticket: Ticket, future: Grant) -> object:
+    def submit(self, ticket: Ticket, future: Grant) -> Submission:
         """Queues a ticket without awaiting: `future.set_result(slot)` is called when it gets its slot, maybe
         before this returns. For callers without an event loop (the fleet simulator); `withdraw` takes it back."""
+        return Submission(self._submit(ticket, future))
+
+    def withdraw(self, submission: Submission) -> None:
+        """The submitter gave up: out of its queue, or its slot given back if it was granted meanwhile."""
+        self._abandon(submission._waiter)
+
+    def _submit(self, ticket: Ticket, future: Grant) -> _Waiter:
         self._check_ticket(ticket)
         ticket.enqueued_at = self._clock()
         waiter = _Waiter(ticket, future, next(self._seq))
@@ -132,15 +157,12 @@ class Dispatcher:
         self._pump()
         return waiter
 
-    def withdraw(self, handle: object) -> None:
-        """The submitter gave up: out of its queue, or its slot given back if it was granted meanwhile."""
-        self._abandon(handle)
-
     def release(self, slot: Slot, served_tokens: int | None = None) -> None:
         """Free the slot for the next ticket; a second release of the same slot does nothing. `served_tokens`,
         when known, replaces the ticket's estimated cost in the fairness accounting."""
-        if served_tokens is not None and (isinstance(served_tokens, bool) or not isinstance(served_tokens, int)
-                                          or served_tokens < 0):
+        if served_tokens is not None and (
+            isinstance(served_tokens, bool) or not isinstance(served_tokens, int) or served_tokens < 0
+        ):
             raise ValueError(f"served_tokens must be a whole number >= 0, got {served_tokens!r}")
         if self._pool.held.get(slot.slot_id) is not slot:
             return
@@ -171,8 +193,9 @@ class Dispatcher:
         names = tuple(dict.fromkeys(tiers))
         for name in names:
             self._tier(name)
-        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
-                                       or max_tokens < 0):
+        if max_tokens is not None and (
+            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0
+        ):
             raise ValueError(f"max_tokens must be a whole number >= 0 or None, got {max_tokens!r}")
         if not window_s > 0:
             raise ValueError(f"window_s must be positive, got {window_s!r}")
@@ -188,9 +211,13 @@ class Dispatcher:
     def snapshot(self) -> DispatchSnapshot:
         now = self._clock()
         tiers = {name: self._tier_snapshot(state, now) for name, state in self._tiers.items()}
-        return DispatchSnapshot(slots=self._pool.slots, in_use=self._pool.in_use,
-                                queued=sum(t.queued for t in tiers.values()),
-                                queued_tokens=sum(t.queued_tokens for t in tiers.values()), tiers=tiers)
+        return DispatchSnapshot(
+            slots=self._pool.slots,
+            in_use=self._pool.in_use,
+            queued=sum(t.queued for t in tiers.values()),
+            queued_tokens=sum(t.queued_tokens for t in tiers.values()),
+            tiers=tiers,
+        )
 
     # --- queueing ---------------------------------------------------------------------------------------------
 
@@ -203,8 +230,9 @@ class Dispatcher:
     def _check_ticket(self, ticket: Ticket) -> None:
         self._tier(ticket.tier)
         if isinstance(ticket.cost, bool) or not isinstance(ticket.cost, int) or ticket.cost < 0:
-            raise ValueError(f"ticket {ticket.request_id}: cost must be a whole number of tokens >= 0, "
-                             f"got {ticket.cost!r}")
+            raise ValueError(
+                f"ticket {ticket.request_id}: cost must be a whole number of tokens >= 0, got {ticket.cost!r}"
+            )
         if not isinstance(ticket.tenant, str) or not ticket.tenant:
             raise ValueError(f"ticket {ticket.request_id}: tenant must be a non-empty string")
 
@@ -263,9 +291,9 @@ class Dispatcher:
             return None
         for tenant in self._reservations.behind(self._reserved_queued):
             heads = [tier.queue.head(tenant) for tier in self._tiers.values() if self._serving(tier)]
-            heads = [head for head in heads if head is not None]
-            if heads:
-                waiter = min(heads, key=lambda w: w.seq)
+            waiting = [head for head in heads if head is not None]
+            if waiting:
+                waiter = min(waiting, key=lambda w: w.seq)
                 self._tiers[waiter.ticket.tier].queue.remove(waiter)
                 waiter.reserved = True
                 return waiter
@@ -294,8 +322,13 @@ class Dispatcher:
 
     def _grant(self, waiter: _Waiter) -> None:
         ticket, now = waiter.ticket, self._clock()
-        slot = Slot(next(self._slot_ids), ticket, granted_at=now, waited_s=max(0.0, now - ticket.enqueued_at),
-                    reserved=waiter.reserved)
+        slot = Slot(
+            next(self._slot_ids),
+            ticket,
+            granted_at=now,
+            waited_s=max(0.0, now - ticket.enqueued_at),
+            reserved=waiter.reserved,
+        )
         if not waiter.reserved:  # reserved capacity is carved out of the pool, not charged to the tier's share
             self._fair.charge(ticket.tier, ticket.cost)
         if self._reservations:
@@ -322,8 +355,15 @@ class Dispatcher:
 
     def _tier_snapshot(self, tier: _Tier, now: float) -> TierSnapshot:
         oldest = tier.queue.oldest_enqueued_at()
-        return TierSnapshot(queued=tier.queue.queued, queued_tokens=tier.queue.queued_tokens,
-                            oldest_wait_s=0.0 if oldest is None else max(0.0, now - oldest), paused=tier.paused,
-                            dispatched=tier.dispatched, dispatched_tokens=tier.dispatched_tokens,
-                            wait_s_total=tier.wait_s_total, cancelled=tier.cancelled, in_use=tier.in_use,
-                            at_limit=self._at_limit(tier))
+        return TierSnapshot(
+            queued=tier.queue.queued,
+            queued_tokens=tier.queue.queued_tokens,
+            oldest_wait_s=0.0 if oldest is None else max(0.0, now - oldest),
+            paused=tier.paused,
+            dispatched=tier.dispatched,
+            dispatched_tokens=tier.dispatched_tokens,
+            wait_s_total=tier.wait_s_total,
+            cancelled=tier.cancelled,
+            in_use=tier.in_use,
+            at_limit=self._at_limit(tier),
+        )

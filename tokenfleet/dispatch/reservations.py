@@ -3,6 +3,7 @@
 Shares are measured over a sliding window, but never from before the tenant last became backlogged: a tenant
 that was idle gets no credit for the capacity it did not ask for, so coming back it cannot take the whole pool
 for a burst to "catch up"; its guarantee is a floor while it has work, not a bank."""
+
 from __future__ import annotations
 
 import itertools
@@ -44,8 +45,9 @@ def validate_shares(shares: Mapping[str, float]) -> dict[str, float]:
 
 
 class Reservations:
-    def __init__(self, shares: Mapping[str, float], window_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, shares: Mapping[str, float], window_s: float = 10.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if not window_s > 0:
             raise ValueError(f"provisioned_window_s must be positive, got {window_s!r}")
         self.shares = validate_shares(shares)
@@ -116,4 +118,3 @@ class Reservations:
                 self._window_used[usage.tenant] = left
             else:
                 self._window_used.pop(usage.tenant, None)
-

@@ -1,4 +1,5 @@
 """`dispatch:` in fleet.yaml: slots per replica, the fair queue's quantum, load polling, the TTFT projection."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

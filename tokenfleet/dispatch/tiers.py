@@ -1,7 +1,10 @@
 """Service tiers (`tiers:` in fleet.yaml): each tier's priority class, fair-queuing weight and default limits."""
+
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from tokenfleet.quota.limits import Limits
 
@@ -31,13 +34,14 @@ def default_tiers() -> dict[str, TierConfig]:
     return {
         "enterprise": TierConfig(0, 8, Limits(6000, 2_000_000, 256), Limits(60_000, 20_000_000, 2048)),
         "paid": TierConfig(0, 4, Limits(600, 200_000, 32), Limits(6000, 2_000_000, 256)),
-        "free": TierConfig(1, 2, Limits(20, 20_000, 4, 200_000), Limits(200, 200_000, 40, 2_000_000),
-                           on_quota_outage="closed"),
+        "free": TierConfig(
+            1, 2, Limits(20, 20_000, 4, 200_000), Limits(200, 200_000, 40, 2_000_000), on_quota_outage="closed"
+        ),
         "batch": TierConfig(2, 1, Limits(60, 500_000, 64), Limits(600, 5_000_000, 512), on_quota_outage="closed"),
     }
 
 
-def tiers_from_dict(raw: dict | None) -> dict[str, TierConfig]:
+def tiers_from_dict(raw: Mapping[str, Any] | None) -> dict[str, TierConfig]:
     """`tiers:` in fleet.yaml; a tier named there replaces the default of that name, new names add tiers."""
     tiers = default_tiers()
     for name, spec in (raw or {}).items():

@@ -4,6 +4,7 @@ Each tier has a virtual finish tag; a backlogged tier's next start tag is max(vi
 tier with the smallest start tag goes next, and dispatching `cost` tokens moves its finish tag by cost / weight.
 So when tiers are backlogged together each gets tokens in proportion to its weight, and a tier that was idle (or
 paused) starts at the current virtual time: it gets no credit for the time it did not ask."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping

@@ -3,6 +3,7 @@
 The loop never waits on a consumer: outputs are handed to the consumer's event loop with call_soon_threadsafe
 into an unbounded queue, and aborts arrive through a thread-safe inbox applied before the next step.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -10,50 +11,65 @@ import itertools
 import logging
 import queue
 import threading
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, Any, Generic, TypeAlias, TypeVar
 
 from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.engine import Engine, RequestOutput
 from tokenfleet.engine.request import SamplingParams
 from tokenfleet.engine.state import EngineState
 
+if TYPE_CHECKING:
+    from tokenfleet.model.tokenizer import Tokenizer
+
 log = logging.getLogger(__name__)
+OutputQueue: TypeAlias = "asyncio.Queue[RequestOutput | BaseException]"  # a request's outputs, or what failed it
+Command: TypeAlias = tuple[Any, ...]  # ("add", request_id, prompt, params, priority) | ("abort", request_id) | ...
 
 
 @dataclass
 class StreamQueue:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    queue: OutputQueue
 
     def put(self, item: RequestOutput | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
-def put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+def put_all(batch: list[tuple[OutputQueue, RequestOutput]]) -> None:
     """On the consumer's loop: a whole step's outputs into their requests' queues (one wake-up for all)."""
     for queue_, output in batch:
         queue_.put_nowait(output)
 
 
-class StreamingEngine:
+StreamT = TypeVar("StreamT", bound=StreamQueue)
+
+
+class StreamingEngine(Generic[StreamT]):
     """What both front doors share (AsyncEngine here, EngineProcess): each request's outputs go into its own
-    asyncio queue on the consumer's loop; subclasses say how a command reaches the engine (`_send`)."""
+    asyncio queue on the consumer's loop; subclasses say how a command reaches the engine (`_send`) and what a
+    request's stream holds (`_new_stream`)."""
 
     id_prefix = "async"
 
     def __init__(self) -> None:
-        self._streams: dict[str, StreamQueue] = {}
+        self._streams: dict[str, StreamT] = {}
         self._ids = itertools.count()
 
-    def _new_stream(self) -> StreamQueue:
-        return StreamQueue(asyncio.get_running_loop(), asyncio.Queue())
-
-    def _send(self, command: tuple) -> None:
+    def _new_stream(self) -> StreamT:
         raise NotImplementedError
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+    def _send(self, command: Command) -> None:
+        raise NotImplementedError
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs; leaving the iteration early (or being cancelled) aborts the request.
 
         Raises ValueError for a bad request (before any output)."""
@@ -78,28 +94,32 @@ class StreamingEngine:
         self._send(("abort", request_id))
 
     @staticmethod
-    def _hand_over(ready: list[tuple[StreamQueue, RequestOutput]]) -> None:
+    def _hand_over(ready: Sequence[tuple[StreamQueue, RequestOutput]]) -> None:
         """From the engine's side: a step's outputs with one wake-up per consumer loop, not one per request (each
         wake-up is a self-pipe write and a GIL hand-off that the next step would otherwise wait behind)."""
-        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[OutputQueue, RequestOutput]]] = {}
         for stream, output in ready:
             batches.setdefault(stream.loop, []).append((stream.queue, output))
         for loop, batch in batches.items():
             loop.call_soon_threadsafe(put_all, batch)
 
 
-class AsyncEngine(StreamingEngine):
+class AsyncEngine(StreamingEngine[StreamQueue]):
     def __init__(self, config: EngineConfig | None = None, engine: Engine | None = None) -> None:
         super().__init__()
-        self.engine = engine or Engine(config)
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        if engine is None:
+            if config is None:
+                raise TypeError("AsyncEngine needs an EngineConfig or an Engine")
+            engine = Engine(config)
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="tokenfleet-engine", daemon=True)
         self._thread.start()
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
 
     @property
@@ -117,7 +137,10 @@ class AsyncEngine(StreamingEngine):
         self._wakeup.set()
         self._thread.join(timeout=10)
 
-    def _send(self, command: tuple) -> None:
+    def _new_stream(self) -> StreamQueue:
+        return StreamQueue(asyncio.get_running_loop(), asyncio.Queue())
+
+    def _send(self, command: Command) -> None:
         self._inbox.put(command)
         self._wakeup.set()
 
@@ -137,8 +160,9 @@ class AsyncEngine(StreamingEngine):
             self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        self._hand_over([(stream, output) for output in outputs
-                         if (stream := self._streams.get(output.request_id)) is not None])
+        self._hand_over(
+            [(stream, output) for output in outputs if (stream := self._streams.get(output.request_id)) is not None]
+        )
 
     def _fail_all(self, error: Exception) -> None:
         for request_id, stream in list(self._streams.items()):

@@ -1,14 +1,18 @@
 """The engine's own options (the same names as vLLM's engine arguments where they exist) and their command-line
 flags. The engine owns this module; it imports nothing above the engine."""
+
 from __future__ import annotations
 
 import argparse
 import typing
-from dataclasses import MISSING, dataclass, fields
-from typing import TYPE_CHECKING
+from dataclasses import MISSING, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
+# vLLM's names. auto: the model's dtype; fp8 (= fp8_e4m3): 3 mantissa bits, range +-448; fp8_e5m2: 2 bits, +-57344
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass
@@ -19,6 +23,7 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context window
     block_size: int = 16
     kv_cache_gib: float = 2.0  # KV cache budget on CPU
+    kv_cache_dtype: str = field(default="auto", metadata={"choices": KV_CACHE_DTYPES})
     gpu_memory_utilization: float = 0.9  # fraction of free GPU memory the KV cache may take
     swap_space_gib: float = 1.0  # host memory for swapped-out KV blocks
     swap_threshold_tokens: int = 512  # preempted sequences this long are swapped, shorter ones recomputed
@@ -30,15 +35,21 @@ class EngineConfig:
     threads: int = 0  # PyTorch threads; 0 = auto (servers: every usable core but one; offline: PyTorch's default)
     engine_process: bool = True  # servers: the engine steps in its own process, not on a thread beside the HTTP loop
 
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; choose one of {', '.join(KV_CACHE_DTYPES)}"
+            )
+
     @classmethod
-    def from_options(cls, model: str, **options) -> "EngineConfig":
+    def from_options(cls, model: str, **options: Any) -> EngineConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(model=model, **options)
 
-    def resolved_device(self) -> "torch.device":
+    def resolved_device(self) -> torch.device:
         import torch  # here, so the gateway's configuration does not load PyTorch
 
         if self.device == "auto":
@@ -59,7 +70,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_required: bool =
         else:
             base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
             default = None if f.default is MISSING else f.default
-            parser.add_argument(flag, type=base, default=default, help=f"default: {default}")
+            parser.add_argument(
+                flag, type=base, default=default, choices=f.metadata.get("choices"), help=f"default: {default}"
+            )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -1,24 +1,31 @@
 """Engine.step(): schedule, run the model, sample, and turn new tokens into per-request outputs."""
+
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
 import logging
 import operator
+import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
+
 from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.kv_blocks import KVBlockManager
 from tokenfleet.engine.limits import EngineLimits
 from tokenfleet.engine.request import Request, SamplingParams, TokenLogprob
 from tokenfleet.engine.runner import ModelRunner
+from tokenfleet.engine.sampler import Sampler
 from tokenfleet.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tokenfleet.model.config import ModelConfig, parse_dtype
 from tokenfleet.model.loader import load_model
-from tokenfleet.engine.sampler import Sampler
 from tokenfleet.model.tokenizer import StopStringMatcher, Tokenizer
 
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -78,10 +85,17 @@ class Engine:
         self.model = load_model(config.model, dtype, self.device, max_positions=self.max_model_len)
         self.model_config = self.model.config
         self.runner = ModelRunner(self.model, config, self.device)
-        self.blocks = KVBlockManager(self.runner.num_blocks, config.block_size, self.runner.num_host_blocks,
-                                     config.watermark, config.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   config.swap_threshold_tokens), self.blocks)
+        self.blocks = KVBlockManager(
+            self.runner.num_blocks,
+            config.block_size,
+            self.runner.num_host_blocks,
+            config.watermark,
+            config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.swap_threshold_tokens),
+            self.blocks,
+        )
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             self.eos_token_ids |= self.tokenizer.eos_token_ids
@@ -89,8 +103,14 @@ class Engine:
         self.tracked: dict[str, _Tracked] = {}
         self.stats = StepStats()
         self._ids = itertools.count()
-        self.limits = EngineLimits(self.model_config.vocab_size, self.max_model_len, config.block_size,
-                                   self.blocks.num_blocks, self.blocks.watermark_blocks, self.tokenizer is not None)
+        self.limits = EngineLimits(
+            self.model_config.vocab_size,
+            self.max_model_len,
+            config.block_size,
+            self.blocks.num_blocks,
+            self.blocks.watermark_blocks,
+            self.tokenizer is not None,
+        )
 
     @staticmethod
     def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -101,8 +121,13 @@ class Engine:
 
     # --- requests -----------------------------------------------------------------------------------------
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> Request:
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> Request:
         """Validates and queues a request; raises ValueError naming the problem."""
         # a private, re-validated copy: fields changed after construction cannot slip bad values into a batch
         params = SamplingParams() if params is None else dataclasses.replace(params)
@@ -156,16 +181,20 @@ class Engine:
         scheduled = time.perf_counter()
         try:
             logits, sampled = self.runner.execute(out)
-            executed = time.perf_counter()
-            result = self.sampler(logits, sampled) if sampled else None
-        except Exception as e:  # a failed step fails its requests, never the engine
+        except Exception as e:  # a failed forward pass fails its requests, never the engine
             log.exception("model step failed")
             return self._fail_step(out, f"model step failed: {e}")
+        executed = time.perf_counter()
+        picks = self._sample(logits, sampled)
         sampled_at = time.perf_counter()
         _share_step_time(out, sampled_at - started)
         self.scheduler.update(out)
-        outputs = [] if result is None else [
-            self._append(req, tok, lp) for req, tok, lp in zip(sampled, result.token_ids, result.logprobs)]
+        outputs = [
+            self._fail(self.tracked[req.request_id], str(pick))
+            if isinstance(pick, Exception)
+            else self._append_or_fail(req, *pick)
+            for req, pick in zip(sampled, picks)
+        ]
         stats.steps += 1
         stats.schedule_s += scheduled - started
         stats.prepare_s += self.runner.last_prepare_s
@@ -174,15 +203,52 @@ class Engine:
         stats.output_s += time.perf_counter() - sampled_at
         return outputs
 
+    def _sample(
+        self, logits: torch.Tensor | None, requests: list[Request]
+    ) -> list[tuple[int, TokenLogprob | None] | Exception]:
+        """Each request's (token, logprob), or the error sampling it raised. A batch that fails is sampled again
+        request by request, so that only the request whose parameters broke it fails, not its neighbours."""
+        if not requests:
+            return []
+        if logits is None:  # the runner returns None only for a step with nothing to sample
+            raise RuntimeError(f"the model step returned no logits for {len(requests)} request(s) to sample")
+        try:
+            result = self.sampler(logits, requests)
+            return list(zip(result.token_ids, result.logprobs))
+        except Exception:
+            log.exception("sampling a batch of %d requests failed; sampling them one at a time", len(requests))
+        return [self._sample_alone(logits[i : i + 1], req) for i, req in enumerate(requests)]
+
+    def _sample_alone(self, row: torch.Tensor, req: Request) -> tuple[int, TokenLogprob | None] | Exception:
+        try:
+            result = self.sampler(row, [req])
+        except Exception as e:
+            log.warning("request %s: sampling failed: %r", req.request_id, e)
+            return ValueError(f"sampling failed for this request's parameters: {e}")
+        return result.token_ids[0], result.logprobs[0]
+
+    def _append_or_fail(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        tracked = self.tracked[req.request_id]
+        try:
+            return self._append(req, token, logprob)
+        except Exception as e:  # e.g. its stop conditions: this request fails, the rest of the step goes on
+            log.exception("request %s: processing its new token failed", req.request_id)
+            return self._fail(tracked, f"processing the new token failed: {e}")
+
     def _fail_step(self, out: SchedulerOutput, message: str) -> list[RequestOutput]:
-        outputs = []
-        for chunk in out.chunks:
-            tracked = self.tracked.pop(chunk.req.request_id, None)
-            if tracked is not None:
-                self.scheduler.finish(chunk.req, "error")
-                chunk.req.error = message
-                outputs.append(self._output(tracked, [], "", []))
-        return outputs
+        return [
+            self._fail(tracked, message)
+            for chunk in out.chunks
+            if (tracked := self.tracked.get(chunk.req.request_id)) is not None
+        ]
+
+    def _fail(self, tracked: _Tracked, message: str) -> RequestOutput:
+        """Ends the request with finish_reason "error" (its blocks are free now) and says why."""
+        req = tracked.req
+        self.tracked.pop(req.request_id, None)
+        self.scheduler.finish(req, "error")
+        req.error = message
+        return self._output(tracked, [], "", [])
 
     def _append(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         tracked = self.tracked[req.request_id]
@@ -215,20 +281,39 @@ class Engine:
             if not params.ignore_eos and token in self.eos_token_ids:
                 req.stop_reason = None
                 return "stop"
-            if token in params.stop_token_ids:
+            if token in _not_none(params.stop_token_ids, "stop_token_ids"):
                 req.stop_reason = token
                 return "stop"
-        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+        if req.num_output_tokens >= _not_none(params.max_tokens, "max_tokens") or req.num_tokens >= self.max_model_len:
             return "length"
         return None
 
-    def _output(self, tracked: _Tracked, new_ids: list[int], delta: str, new_lps: list) -> RequestOutput:
+    def _output(self, tracked: _Tracked, new_ids: list[int], delta: str, new_lps: list[TokenLogprob]) -> RequestOutput:
         req = tracked.req
         return RequestOutput(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, token_ids=req.output_token_ids,
-            text=tracked.text, new_token_ids=new_ids, new_text=delta, num_cached_tokens=max(req.num_cached_tokens, 0),
-            finished=req.is_finished, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
-            error=req.error, logprobs=req.logprobs, new_logprobs=new_lps, engine_s=req.engine_s)
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=req.output_token_ids,
+            text=tracked.text,
+            new_token_ids=new_ids,
+            new_text=delta,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            finished=req.is_finished,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            error=req.error,
+            logprobs=req.logprobs,
+            new_logprobs=new_lps,
+            engine_s=req.engine_s,
+        )
+
+
+def _not_none(value: T | None, name: str) -> T:
+    """A SamplingParams field that is never None once the request is added (SamplingParams makes stop_token_ids a
+    list, add_request fills in max_tokens): one set to None afterwards fails its request, not the step."""
+    if value is None:
+        raise TypeError(f"the request's {name} is None")
+    return value
 
 
 def _share_step_time(out: SchedulerOutput, seconds: float) -> None:

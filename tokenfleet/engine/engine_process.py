@@ -9,6 +9,7 @@ The pipe carries commands one way and, per step, the step's new tokens (not the 
 EngineState snapshot the other way; a reader thread here rebuilds each request's RequestOutput and hands a step's
 outputs to the event loop with one wake-up.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,13 +20,20 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from tokenfleet.engine.async_engine import Command, StreamingEngine, StreamQueue
 from tokenfleet.engine.config import EngineConfig
-from tokenfleet.engine.async_engine import StreamingEngine, StreamQueue
 from tokenfleet.engine.engine import RequestOutput
 from tokenfleet.engine.limits import EngineLimits
 from tokenfleet.engine.request import SamplingParams, TokenLogprob
 from tokenfleet.engine.state import EngineState
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
+    from tokenfleet.engine.async_engine import AsyncEngine
+    from tokenfleet.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 STATE_INTERVAL_S = 0.02
@@ -72,12 +80,25 @@ class _Stream(StreamQueue):
         self.text += d.new_text
         self.logprobs += d.new_logprobs
         # the growing lists themselves, as the in-process engine hands out (a copy per token would be quadratic)
-        return RequestOutput(d.request_id, self.prompt_token_ids, self.token_ids, self.text, d.new_token_ids,
-                             d.new_text, d.num_cached_tokens, d.finished, d.finish_reason, d.stop_reason, d.error,
-                             self.logprobs, d.new_logprobs, d.engine_s)
+        return RequestOutput(
+            d.request_id,
+            self.prompt_token_ids,
+            self.token_ids,
+            self.text,
+            d.new_token_ids,
+            d.new_text,
+            d.num_cached_tokens,
+            d.finished,
+            d.finish_reason,
+            d.stop_reason,
+            d.error,
+            self.logprobs,
+            d.new_logprobs,
+            d.engine_s,
+        )
 
 
-class EngineProcess(StreamingEngine):
+class EngineProcess(StreamingEngine[_Stream]):
     id_prefix = "proc"
 
     def __init__(self, config: EngineConfig, start_timeout_s: float = 600.0) -> None:
@@ -87,8 +108,9 @@ class EngineProcess(StreamingEngine):
         self.tokenizer = None if config.skip_tokenizer_init else Tokenizer.from_dir(config.model)
         context = multiprocessing.get_context("spawn")  # fork would copy a process with threads running
         self._conn, child = context.Pipe()
-        self._process = context.Process(target=_engine_main, args=(config, child, server_threads(config)),
-                                        name="tokenfleet-engine", daemon=True)
+        self._process = context.Process(
+            target=_engine_main, args=(config, child, server_threads(config)), name="tokenfleet-engine", daemon=True
+        )
         self._process.start()
         child.close()
         self.limits, self._state = self._wait_ready(start_timeout_s)
@@ -104,7 +126,9 @@ class EngineProcess(StreamingEngine):
         try:
             kind, *payload = self._conn.recv()
         except EOFError:
-            raise RuntimeError(f"the engine process exited while starting (exit code {self._process.exitcode})")
+            raise RuntimeError(
+                f"the engine process exited while starting (exit code {self._process.exitcode})"
+            ) from None
         if kind == "failed":
             raise RuntimeError(f"the engine failed to start: {payload[0]}")
         return payload[0], payload[1]
@@ -132,7 +156,7 @@ class EngineProcess(StreamingEngine):
             self._process.join()
         self._conn.close()
 
-    def _send(self, command: tuple) -> None:
+    def _send(self, command: Command) -> None:
         if self.dead:
             return
         try:
@@ -162,8 +186,13 @@ class EngineProcess(StreamingEngine):
                     self._put(request_id, RuntimeError(f"engine step failed: {payload[1]}"))
 
     def _deliver(self, deltas: list[_Delta]) -> None:
-        self._hand_over([(stream, stream.output(delta)) for delta in deltas
-                         if (stream := self._streams.get(delta.request_id)) is not None])
+        self._hand_over(
+            [
+                (stream, stream.output(delta))
+                for delta in deltas
+                if (stream := self._streams.get(delta.request_id)) is not None
+            ]
+        )
 
     def _put(self, request_id: str, item: BaseException) -> None:
         stream = self._streams.get(request_id)
@@ -182,16 +211,15 @@ class EngineProcess(StreamingEngine):
 # --- the engine process ---------------------------------------------------------------------------------------
 
 
-def _engine_main(config: EngineConfig, conn, threads: int) -> None:
+def _engine_main(config: EngineConfig, conn: Connection, threads: int) -> None:
     """Loads the model, then steps while there is work and waits on the pipe when there is none. Signals go to
     the server process, which drains first; this process ends when told to, or when the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     import torch
 
-    from tokenfleet.logs import configure_logging
-
     from tokenfleet.engine.engine import Engine
+    from tokenfleet.logs import configure_logging
 
     configure_logging()
     torch.set_num_threads(threads)
@@ -206,7 +234,7 @@ def _engine_main(config: EngineConfig, conn, threads: int) -> None:
 
 
 class _EngineLoop:
-    def __init__(self, engine, conn) -> None:
+    def __init__(self, engine: Engine, conn: Connection) -> None:
         self.engine, self.conn = engine, conn
         self.started: set[str] = set()  # requests whose prompt token ids went over already
         self.state_sent_at = 0.0
@@ -238,7 +266,7 @@ class _EngineLoop:
             self.conn.send(("state", self._snapshot()))
         return True
 
-    def _add(self, request_id: str, prompt, params, priority: int) -> None:
+    def _add(self, request_id: str, prompt: str | list[int], params: SamplingParams | None, priority: int) -> None:
         try:
             self.engine.add_request(prompt, params, request_id=request_id, priority=priority)
         except Exception as e:  # the request is bad; the engine goes on
@@ -275,12 +303,22 @@ class _EngineLoop:
             self.started.discard(out.request_id)
         elif first:
             self.started.add(out.request_id)
-        return _Delta(out.request_id, out.new_token_ids, out.new_text, out.num_cached_tokens, out.finished,
-                      out.finish_reason, out.stop_reason, out.error, out.new_logprobs, out.engine_s,
-                      out.prompt_token_ids if first else None)
+        return _Delta(
+            out.request_id,
+            out.new_token_ids,
+            out.new_text,
+            out.num_cached_tokens,
+            out.finished,
+            out.finish_reason,
+            out.stop_reason,
+            out.error,
+            out.new_logprobs,
+            out.engine_s,
+            out.prompt_token_ids if first else None,
+        )
 
 
-def start_engine(config: EngineConfig):
+def start_engine(config: EngineConfig) -> EngineProcess | AsyncEngine:
     """The engine a server runs: in its own process (the default), or on a thread of this one."""
     if config.engine_process:
         return EngineProcess(config)

@@ -13,13 +13,14 @@ A block's key is a 128-bit BLAKE2b hash chained over its parent's key and its to
 prefixes: a hit is taken on the key alone (finding two prefixes with one key would take ~2^64 hashes, out of reach
 even for a tenant trying on purpose), as vLLM does with SHA-256 keys; no copy of the tokens is kept to compare.
 """
+
 from __future__ import annotations
 
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from itertools import islice
-from typing import Iterable, Sequence
 
 from tokenfleet.engine.request import Request
 
@@ -38,13 +39,19 @@ def prefix_block_hashes(token_ids: Sequence[int], block_size: int, start: list[b
     hashes = list(start or [])
     for i in range(len(hashes), len(token_ids) // block_size):
         parent = hashes[-1] if hashes else None
-        hashes.append(hash_block(parent, token_ids[i * block_size:(i + 1) * block_size]))
+        hashes.append(hash_block(parent, token_ids[i * block_size : (i + 1) * block_size]))
     return hashes
 
 
 class KVBlockManager:
-    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0, watermark: float = 0.01,
-                 enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_host_blocks: int = 0,
+        watermark: float = 0.01,
+        enable_prefix_caching: bool = True,
+    ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.num_blocks = num_blocks
@@ -87,17 +94,19 @@ class KVBlockManager:
             hits.append(block_id)
         return hits
 
-    def cache_full_blocks(self, req: Request) -> None:
-        """Registers the request's newly computed full blocks in the prefix cache."""
+    def mark_computed(self, req: Request, num_computed_tokens: int) -> None:
+        """The request's KV now covers its first `num_computed_tokens` tokens: its newly full blocks are registered in
+        the prefix cache."""
+        req.num_computed_tokens = num_computed_tokens
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        first, num_full = req.num_cached_blocks, req.num_computed_tokens // bs
+        first, num_full = req.num_cached_blocks, num_computed_tokens // bs
         if num_full <= first:  # no block filled since the last call (most decode steps)
             return
         keys = req.block_hashes
         if len(keys) < num_full:  # keys are a function of the tokens, which only grow: keep known ones
-            keys = req.block_hashes = prefix_block_hashes(req.token_ids[:num_full * bs], bs, keys)
+            keys = req.block_hashes = prefix_block_hashes(req.token_ids[: num_full * bs], bs, keys)
         block_keys, cached, table = self.keys, self.cached, req.block_table
         for i in range(first, num_full):
             block_id, key = table[i], keys[i]
@@ -117,6 +126,17 @@ class KVBlockManager:
 
     def can_admit(self, cost: int) -> bool:
         return self.num_free_blocks - cost >= self.watermark_blocks
+
+    def allocate(self, req: Request, max_new_tokens: int) -> int:
+        """Admits a request that holds no blocks: its cached prefix, then up to `max_new_tokens` tokens more. Returns
+        the tokens it has to compute now; 0, allocating nothing, when that would leave fewer free blocks than the
+        watermark."""
+        hits = self.match_prefix(req)
+        num_new_tokens = min(req.num_tokens - len(hits) * self.block_size, max_new_tokens)
+        if not self.can_admit(self.admission_cost(req, hits, num_new_tokens)):
+            return 0
+        self.admit(req, hits, num_new_tokens)
+        return num_new_tokens
 
     def admit(self, req: Request, hits: list[int], num_new_tokens: int) -> None:
         self._ref(hits)
@@ -167,6 +187,8 @@ class KVBlockManager:
             return block_id
         block_id, _ = self.free_cached.popitem(last=False)
         key = self.keys[block_id]
+        if key is None:  # free_request queues only blocks holding a cached prefix in free_cached
+            raise RuntimeError(f"KV block {block_id} is in free_cached but holds no cached prefix")
         if self.cached.get(key) == block_id:
             del self.cached[key]
         self.keys[block_id], ref_counts[block_id] = None, 1

@@ -1,5 +1,6 @@
 """What makes a request impossible for an engine to serve, checkable without the engine (e.g. in the process
 that talks to an engine running in another one)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,13 +29,19 @@ class EngineLimits:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         n, limit = len(token_ids), self.max_model_len
         if n >= limit:
-            raise ValueError(f"the prompt has {n} tokens, but this model's maximum context length is {limit} "
-                             f"tokens (prompt plus at least one generated token)")
+            raise ValueError(
+                f"the prompt has {n} tokens, but this model's maximum context length is {limit} "
+                f"tokens (prompt plus at least one generated token)"
+            )
         if params.max_tokens is not None and n + params.max_tokens > limit:
-            raise ValueError(f"this model's maximum context length is {limit} tokens; you requested "
-                             f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} to generate)")
+            raise ValueError(
+                f"this model's maximum context length is {limit} tokens; you requested "
+                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} to generate)"
+            )
         needed = -(-(n + (params.max_tokens or limit - n)) // self.block_size)
         capacity = self.num_blocks - self.watermark_blocks
         if needed > capacity:
-            raise ValueError(f"the request needs {needed} KV cache blocks, but the cache holds {capacity}; "
-                             f"lower max_tokens or give the KV cache more memory")
+            raise ValueError(
+                f"the request needs {needed} KV cache blocks, but the cache holds {capacity}; "
+                f"lower max_tokens or give the KV cache more memory"
+            )

@@ -1,17 +1,19 @@
 """The offline front door: `LLM(model=DIR).generate(prompts, sampling_params)`."""
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.engine import Engine, RequestOutput
 from tokenfleet.engine.request import SamplingParams
 
-Prompt = str | dict
+Prompt = str | dict[str, list[int]]  # a string or {"prompt_token_ids": [...]}
 
 
 class LLM:
-    def __init__(self, model: str, **engine_options) -> None:
+    def __init__(self, model: str, **engine_options: Any) -> None:
         config = EngineConfig.from_options(model, **engine_options)
         if config.threads > 0:
             import torch
@@ -20,9 +22,12 @@ class LLM:
         self.engine = Engine(config)
         self.tokenizer = self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
         """Runs every prompt to completion with continuous batching; results come back in prompt order.
 
         A prompt is a string or {"prompt_token_ids": [...]}; `sampling_params` is one for all or one per prompt.
@@ -46,7 +51,9 @@ class LLM:
         return [results[i] for i in ids]
 
     @staticmethod
-    def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
+    def _params_per_prompt(
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    ) -> list[SamplingParams]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             return [sampling_params or SamplingParams()] * count
         params = list(sampling_params)

@@ -1,8 +1,10 @@
 """The request record that flows one way through the engine: waiting -> running (<-> swapped) -> finished."""
+
 from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -43,15 +45,19 @@ class SamplingParams:
         checks = [
             (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
             (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens,
-             f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+            ),
             (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, f"top_k must be -1 (disabled) or >= 1, got {self.top_k}"),
             (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
             (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2.0 <= self.frequency_penalty <= 2.0,
-             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (
+                -2.0 <= self.frequency_penalty <= 2.0,
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            ),
             (self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
             (self.detokenize or not self.stop, "stop strings need detokenize=True"),
@@ -111,7 +117,10 @@ class Request:
         self.token_ids = list(self.prompt_token_ids)
         if self.params.seed is not None:
             import torch  # here, not at the top: the gateway, router and simulator use requests without PyTorch
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+            # torch takes seeds in [-2**63, 2**64) (a negative one counts as seed + 2**64): any other int wraps
+            # the same way instead of failing the request
+            self.generator = torch.Generator().manual_seed(self.params.seed % 2**64)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -123,7 +132,7 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -143,3 +152,6 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def append_tokens(self, token_ids: Iterable[int]) -> None:
+        self.token_ids.extend(token_ids)

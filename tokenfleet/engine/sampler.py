@@ -4,6 +4,7 @@ Per row: logprobs of the raw logits, min_tokens masking, penalties, then greedy 
 temperature -> top_k -> top_p -> min_p -> sampling by an exponential race, argmax(probs / q) with q ~ Exp(1).
 Seeded requests draw q only from their own generator, so their tokens do not depend on the rest of the batch.
 """
+
 from __future__ import annotations
 
 import math
@@ -109,7 +110,8 @@ class PromptTokenCache:
 
 def _unique(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Distinct keys and their counts. (torch.unique(sorted=True) is ~100x slower than this on CPU.)"""
-    return torch.unique_consecutive(keys.sort().values, return_counts=True)
+    uniques, counts = torch.unique_consecutive(keys.sort().values, return_counts=True)  # torch types it Any
+    return uniques, counts
 
 
 def _split_keys(keys: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,8 +137,13 @@ def apply_min_tokens(x: torch.Tensor, requests: Sequence[Request], eos_token_ids
         x[_index(rows, x.device), _index(cols, x.device)] = _NEG_INF
 
 
-def _repetition_penalty(x: torch.Tensor, requests: Sequence[Request], rows: list[int],
-                        outputs: dict[int, torch.Tensor], prompts: Callable[[Request], torch.Tensor]) -> None:
+def _repetition_penalty(
+    x: torch.Tensor,
+    requests: Sequence[Request],
+    rows: list[int],
+    outputs: dict[int, torch.Tensor],
+    prompts: Callable[[Request], torch.Tensor],
+) -> None:
     vocab = x.shape[1]
     seqs = [(i, prompts(requests[i])) for i in rows] + [(i, outputs[i]) for i in rows]
     keys, _ = _unique(_pair_keys(seqs, vocab, x.device))
@@ -146,8 +153,9 @@ def _repetition_penalty(x: torch.Tensor, requests: Sequence[Request], rows: list
     x[r, c] = torch.where(vals > 0, vals / penalty, vals * penalty)
 
 
-def _frequency_presence_penalty(x: torch.Tensor, requests: Sequence[Request], rows: list[int],
-                                outputs: dict[int, torch.Tensor]) -> None:
+def _frequency_presence_penalty(
+    x: torch.Tensor, requests: Sequence[Request], rows: list[int], outputs: dict[int, torch.Tensor]
+) -> None:
     vocab = x.shape[1]
     keys, counts = _unique(_pair_keys([(i, outputs[i]) for i in rows], vocab, x.device))
     r, c = _split_keys(keys, vocab)
@@ -156,8 +164,9 @@ def _frequency_presence_penalty(x: torch.Tensor, requests: Sequence[Request], ro
     x[r, c] -= frequency * counts.to(x.dtype) + presence
 
 
-def apply_penalties(x: torch.Tensor, requests: Sequence[Request],
-                    prompts: Callable[[Request], torch.Tensor] | None = None) -> None:
+def apply_penalties(
+    x: torch.Tensor, requests: Sequence[Request], prompts: Callable[[Request], torch.Tensor] | None = None
+) -> None:
     """In place: repetition (prompt + output tokens), then frequency and presence (output tokens) penalties.
 
     Only the (row, token) pairs that occur are touched, so the cost is the number of tokens, not rows x vocab.
@@ -193,8 +202,8 @@ def _nucleus_floor(desc_probs: torch.Tensor, top_p: torch.Tensor) -> tuple[torch
     whether the prefix was long enough to contain the whole nucleus ([m])."""
     cum = desc_probs.cumsum(dim=-1)
     # A token is kept while the mass strictly before it is < top_p: the smallest prefix reaching top_p.
-    # The top token (mass before = 0) is always kept.
-    n_keep = ((cum - desc_probs) < top_p).sum(dim=-1, keepdim=True)
+    # The top token is always kept, also when top_p underflows to 0 in the probs' dtype (e.g. 1e-50).
+    n_keep = ((cum - desc_probs) < top_p).sum(dim=-1, keepdim=True).clamp_(min=1)
     return desc_probs.gather(1, n_keep - 1), cum[:, -1] >= top_p.squeeze(1)
 
 
@@ -232,8 +241,9 @@ def apply_min_p(x: torch.Tensor, min_ps: Sequence[float]) -> None:
         _apply_to_rows(x, rows, drop)
 
 
-def _uniform_noise(generators: Sequence[torch.Generator | None], shape: torch.Size,
-                   device: torch.device) -> torch.Tensor:
+def _uniform_noise(
+    generators: Sequence[torch.Generator | None], shape: torch.Size, device: torch.device
+) -> torch.Tensor:
     """U[0, 1) of `shape`; a row with a generator draws exactly one vocab-sized vector from it (on CPU,
     where request generators live), so its values do not depend on the rest of the batch."""
     seeded = [i for i, g in enumerate(generators) if g is not None]
@@ -308,8 +318,9 @@ class Sampler:
         return out
 
 
-def _collect_logprobs(logits: torch.Tensor, requests: Sequence[Request], rows: list[int],
-                      token_ids: list[int]) -> list[TokenLogprob | None]:
+def _collect_logprobs(
+    logits: torch.Tensor, requests: Sequence[Request], rows: list[int], token_ids: list[int]
+) -> list[TokenLogprob | None]:
     """Logprobs of the raw (unprocessed) logits: the sampled token's and the top-n alternatives."""
     result: list[TokenLogprob | None] = [None] * len(requests)
     if not rows:
@@ -326,6 +337,7 @@ def _collect_logprobs(logits: torch.Tensor, requests: Sequence[Request], rows: l
         top_vals, top_ids = vals.tolist(), ids.tolist()
     for j, i in enumerate(rows):
         n = counts[j]
-        result[i] = TokenLogprob(token_id=sampled_ids[j], logprob=sampled[j],
-                                 top=list(zip(top_ids[j][:n], top_vals[j][:n])))
+        result[i] = TokenLogprob(
+            token_id=sampled_ids[j], logprob=sampled[j], top=list(zip(top_ids[j][:n], top_vals[j][:n]))
+        )
     return result

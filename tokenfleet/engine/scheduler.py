@@ -5,9 +5,11 @@ requests, most important class first, first come first served within a class). E
 (chunked prefill). When blocks run out, the victim is the lowest class, then the one with the least work done;
 a queued request may also preempt running work of a strictly lower class.
 """
+
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenfleet.engine.kv_blocks import KVBlockManager
@@ -53,6 +55,7 @@ class Scheduler:
         self.config, self.blocks = config, blocks
         self.queue: list[Request] = []  # waiting and swapped, in rank order
         self.running: list[Request] = []
+        self.num_parked = 0  # running requests advanced by the caller, outside the plan (see park)
         self.prefix_cache_queries = 0  # prompt tokens looked up at first admission (cumulative)
         self.prefix_cache_hits = 0  # of those, found in the prefix cache
         self.num_preemptions = 0
@@ -65,7 +68,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens - self.num_parked  # a parked decode takes a token every step
         self.running.sort(key=lambda r: (r.num_uncomputed_tokens > 1, r.rank()))  # decodes, then prefill chunks
         for req in list(self.running):
             if budget == 0:
@@ -93,30 +96,29 @@ class Scheduler:
 
     def _admit(self, req: Request, budget: int, out: SchedulerOutput) -> int:
         """Moves the head of the queue into the running batch; returns the tokens scheduled (0 if it cannot)."""
+        swapped = req.status is RequestStatus.SWAPPED
         while True:
-            if req.status is RequestStatus.SWAPPED:
-                n = min(req.num_uncomputed_tokens, budget)
-                cost, hits = len(req.block_table) + self.blocks.blocks_needed(req, n), []
-            else:
-                hits = self.blocks.match_prefix(req)
-                n = min(req.num_tokens - len(hits) * self.blocks.block_size, budget)
-                cost = self.blocks.admission_cost(req, hits, n)
-            if self.blocks.can_admit(cost) and len(self.running) < self.config.max_num_seqs:
-                break
+            if len(self.running) + self.num_parked < self.config.max_num_seqs:
+                if swapped:
+                    n = min(req.num_uncomputed_tokens, budget)
+                    if self.blocks.can_admit(len(req.block_table) + self.blocks.blocks_needed(req, n)):
+                        break
+                else:
+                    n = self.blocks.allocate(req, budget)
+                    if n:
+                        break
             lower = [r for r in self.running if r.priority > req.priority]
             if not lower:
                 return 0
             budget += self._preempt(max(lower, key=victim_key), out)
         self.queue.remove(req)
-        if req.status is RequestStatus.SWAPPED:
+        if swapped:
             out.swap_in += self.blocks.swap_in(req)
             self.blocks.grow(req, n)
-        else:
-            self.blocks.admit(req, hits, n)
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
-                self.prefix_cache_queries += req.num_prompt_tokens
-                self.prefix_cache_hits += req.num_cached_tokens
+        elif req.num_cached_tokens < 0:  # its first admission: what the prefix cache held of its prompt
+            req.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
+            self.prefix_cache_queries += req.num_prompt_tokens
+            self.prefix_cache_hits += req.num_cached_tokens
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         out.chunks.append(ScheduledChunk(req, n))
@@ -144,9 +146,29 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput) -> None:
         """Records that the step computed the scheduled tokens (their KV is now in the cache)."""
+        mark_computed = self.blocks.mark_computed
         for chunk in out.chunks:
-            chunk.req.num_computed_tokens += chunk.num_tokens
-            self.blocks.cache_full_blocks(chunk.req)
+            mark_computed(chunk.req, chunk.req.num_computed_tokens + chunk.num_tokens)
+
+    def park(self, steady: Callable[[Request], bool]) -> list[Request]:
+        """Takes the running requests that `steady` picks out of the plan and returns them, in batch order. A parked
+        request keeps its blocks, its place among max_num_seqs and one token of every step's budget, and its caller
+        advances it (the fleet simulator prices steady decodes in bulk) until it is unparked."""
+        parked: list[Request] = []
+        kept: list[Request] = []
+        for req in self.running:
+            (parked if steady(req) else kept).append(req)
+        self.running = kept
+        self.num_parked += len(parked)
+        return parked
+
+    def unpark(self, req: Request, num_tokens: int) -> None:
+        """Returns a parked request to the plan in steady decode with its first `num_tokens` tokens (any appended
+        ahead of that are dropped), all but the last computed."""
+        del req.token_ids[num_tokens:]
+        req.num_computed_tokens = num_tokens - 1
+        self.running.append(req)
+        self.num_parked -= 1
 
     def finish(self, req: Request, reason: str) -> None:
         if req.is_finished:

@@ -2,6 +2,7 @@
 
 Every route needs `Authorization: Bearer <admin_key>`; without a configured admin key they all answer 403. Errors
 use the OpenAI error shape; a key's plaintext appears in exactly one response, the one that creates it."""
+
 from __future__ import annotations
 
 import hmac
@@ -57,16 +58,31 @@ def _unix(moment: datetime | None) -> int | None:
 
 
 def key_json(info: KeyInfo) -> dict:
-    return {"object": "api_key", "id": info.id, "name": info.name, "prefix": info.prefix, "org_id": info.org_id,
-            "org": info.org_name, "user_id": info.user_id, "user": info.user_name,
-            "created_at": _unix(info.created_at), "revoked_at": _unix(info.revoked_at),
-            "last_used_at": _unix(info.last_used_at)}
+    return {
+        "object": "api_key",
+        "id": info.id,
+        "name": info.name,
+        "prefix": info.prefix,
+        "org_id": info.org_id,
+        "org": info.org_name,
+        "user_id": info.user_id,
+        "user": info.user_name,
+        "created_at": _unix(info.created_at),
+        "revoked_at": _unix(info.revoked_at),
+        "last_used_at": _unix(info.last_used_at),
+    }
 
 
 def org_json(info: OrgInfo) -> dict:
-    return {"object": "organisation", "id": info.id, "name": info.name, "tier": info.tier,
-            "limits": asdict(info.limits), "provisioned_share": info.provisioned_share,
-            "created_at": _unix(info.created_at)}
+    return {
+        "object": "organisation",
+        "id": info.id,
+        "name": info.name,
+        "tier": info.tier,
+        "limits": asdict(info.limits),
+        "provisioned_share": info.provisioned_share,
+        "created_at": _unix(info.created_at),
+    }
 
 
 @contextmanager
@@ -88,13 +104,20 @@ def admin_guard(admin_key: str | None):
             raise APIError(403, DISABLED, "permission_error", code="admin_disabled")
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), admin_key.encode()):
-            raise APIError(401, "missing or wrong admin key: send Authorization: Bearer <admin_key>",
-                           code="invalid_admin_key")
+            raise APIError(
+                401, "missing or wrong admin key: send Authorization: Bearer <admin_key>", code="invalid_admin_key"
+            )
+
     return guard
 
 
-def add_admin_routes(app: FastAPI, store: TenantStore, admin_key: str | None, tiers: Collection[str],
-                     on_revoke: Callable[[str], None] | None = None) -> None:
+def add_admin_routes(
+    app: FastAPI,
+    store: TenantStore,
+    admin_key: str | None,
+    tiers: Collection[str],
+    on_revoke: Callable[[str], None] | None = None,
+) -> None:
     """`on_revoke(key_id)` runs after a key is revoked, e.g. to drop it from an authentication cache at once."""
     router = APIRouter(prefix=PREFIX, dependencies=[Depends(admin_guard(admin_key))])
     _key_routes(router, store, tiers, on_revoke)
@@ -103,8 +126,9 @@ def add_admin_routes(app: FastAPI, store: TenantStore, admin_key: str | None, ti
     app.include_router(router)
 
 
-def _key_routes(router: APIRouter, store: TenantStore, tiers: Collection[str],
-                on_revoke: Callable[[str], None] | None) -> None:
+def _key_routes(
+    router: APIRouter, store: TenantStore, tiers: Collection[str], on_revoke: Callable[[str], None] | None
+) -> None:
     @router.post("/keys", status_code=201)
     async def create_key(request: Request) -> JSONResponse:
         body = parse(NewKey, await read_json(request))
@@ -112,8 +136,9 @@ def _key_routes(router: APIRouter, store: TenantStore, tiers: Collection[str],
             tier = None if body.tier is None else check_tier(body.tier, tiers)
             info, plaintext = await store.create_key(body.org, body.user, body.name, tier)
         # The only time the key is ever shown; keep it out of caches.
-        return JSONResponse({**key_json(info), "key": plaintext}, status_code=201,
-                            headers={"cache-control": "no-store"})
+        return JSONResponse(
+            {**key_json(info), "key": plaintext}, status_code=201, headers={"cache-control": "no-store"}
+        )
 
     @router.get("/keys")
     async def list_keys(org: str | None = None) -> dict:
@@ -135,8 +160,13 @@ def _org_routes(router: APIRouter, store: TenantStore, tiers: Collection[str]) -
     async def create_org(request: Request) -> JSONResponse:
         body = parse(NewOrg, await read_json(request))
         with store_errors():
-            org = await store.create_org(body.name, check_tier(body.tier, tiers), Limits.from_dict(body.limits,
-                                         "limits"), body.provisioned_share, org_id=body.id)
+            org = await store.create_org(
+                body.name,
+                check_tier(body.tier, tiers),
+                Limits.from_dict(body.limits, "limits"),
+                body.provisioned_share,
+                org_id=body.id,
+            )
         return JSONResponse(org_json(org), status_code=201)
 
     @router.get("/orgs")

@@ -1,4 +1,5 @@
 """Folds streamed chunks back into the one response object a non-streaming client asked for."""
+
 from __future__ import annotations
 
 
@@ -11,9 +12,14 @@ def aggregate(chunks: list[dict], kind: str) -> dict:
             usage = chunk["usage"]
         for part in chunk.get("choices", []):
             _merge(choices.setdefault(part["index"], _empty(part["index"], kind)), part, kind)
-    return {"id": head.get("id"), "object": "chat.completion" if kind == "chat" else "text_completion",
-            "created": head.get("created"), "model": head.get("model"),
-            "choices": [choices[i] for i in sorted(choices)], "usage": usage}
+    return {
+        "id": head.get("id"),
+        "object": "chat.completion" if kind == "chat" else "text_completion",
+        "created": head.get("created"),
+        "model": head.get("model"),
+        "choices": [choices[i] for i in sorted(choices)],
+        "usage": usage,
+    }
 
 
 def _empty(index: int, kind: str) -> dict:

@@ -1,18 +1,21 @@
 """The public HTTP API around the Gateway: OpenAI-compatible completions (streamed as SSE with ids and
 heartbeats), the native stream, resume with Last-Event-ID, cancel, /v1/models, /health, /metrics, and the
 operators' replica routes (list, drain) under /admin/v1."""
+
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import gc
-from typing import Callable
+import logging
+import re
+from collections.abc import Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenfleet.api.errors import APIError, bad_request, not_found
+from tokenfleet.api.errors import APIError, bad_request, not_found, server_error
 from tokenfleet.api.http import install_error_handler, read_json, until_disconnect
 from tokenfleet.gateway.admin import PREFIX, admin_guard
 from tokenfleet.gateway.formats import CollectFormat
@@ -20,6 +23,7 @@ from tokenfleet.gateway.gateway import Gateway, ModelInfo
 from tokenfleet.gateway.relay import Relay
 
 __all__ = ["Gateway", "ModelInfo", "create_gateway_app"]
+log = logging.getLogger(__name__)
 
 
 @contextlib.asynccontextmanager
@@ -40,11 +44,13 @@ async def lifespan(app: FastAPI):
             await close()
 
 
-def create_gateway_app(gateway: Gateway, extra_routes: Callable[[FastAPI], None] | None = None,
-                       admin_key: str | None = None) -> FastAPI:
+def create_gateway_app(
+    gateway: Gateway, extra_routes: Callable[[FastAPI], None] | None = None, admin_key: str | None = None
+) -> FastAPI:
     app = FastAPI(title="tokenfleet gateway", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.gateway = gateway
     install_error_handler(app)
+    app.add_exception_handler(Exception, _unexpected_error)
     app.add_middleware(FrontDoor, gateway=gateway)
     _add_service_routes(app, gateway)
     _add_stream_routes(app, gateway)
@@ -54,9 +60,14 @@ def create_gateway_app(gateway: Gateway, extra_routes: Callable[[FastAPI], None]
     return app
 
 
+EVENT_ID = re.compile(r"[0-9]{1,18}")  # an event's id in a stream; 18 digits is far more than any stream holds
+
 # the completion routes, served by FrontDoor itself: path -> (kind, native format)
-COMPLETIONS = {"/v1/chat/completions": ("chat", False), "/v1/completions": ("text", False),
-               "/v1/generate": ("chat", True)}
+COMPLETIONS = {
+    "/v1/chat/completions": ("chat", False),
+    "/v1/completions": ("text", False),
+    "/v1/generate": ("chat", True),
+}
 
 
 class FrontDoor:
@@ -90,14 +101,26 @@ class FrontDoor:
                 label = endpoint or (route.path if route is not None else "unknown")
                 requests.labels(label, str(message["status"])).inc()
             return send(message)
+
         return counting_send
 
     async def _completion(self, scope: Scope, receive: Receive, send: Send, kind: str, native: bool) -> None:
         try:
             response = await completion(self.gateway, kind, Request(scope, receive), native)
         except APIError as e:
-            response = JSONResponse(e.body(), status_code=e.status, headers=e.headers or None)
+            response = error_response(e)
+        except Exception as e:  # a bug or a failing dependency: still OpenAI's shape, never a plain-text 500
+            log.exception("completion failed")
+            response = error_response(server_error(f"the gateway failed: {type(e).__name__}"))
         await response(scope, receive, send)
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers or None)
+
+
+async def _unexpected_error(_: Request, error: Exception) -> Response:
+    return error_response(server_error(f"the gateway failed: {type(error).__name__}"))
 
 
 async def completion(gateway: Gateway, kind: str, request: Request, native: bool = False) -> Response:
@@ -123,7 +146,8 @@ def _add_service_routes(app: FastAPI, gateway: Gateway) -> None:
         return {"status": "ok"}
 
     @app.get("/v1/models")
-    async def models() -> dict:
+    async def models(request: Request) -> dict:
+        await gateway.auth.caller(request)  # a 401 without a valid key, like every public endpoint
         listing = gateway.router.catalog.listing()
         for entry in listing:
             info = gateway.models.get(entry.get("alias_of") or entry["id"])
@@ -135,12 +159,16 @@ def _add_service_routes(app: FastAPI, gateway: Gateway) -> None:
 def relay_headers(gateway: Gateway, relay: Relay) -> dict[str, str]:
     """x-request-id, the rate-limit headers of the reservation, and the token that lets a browser's EventSource
     (which cannot send an Authorization header) resume this one stream."""
-    headers = {"x-request-id": relay.request_id, "x-resume-token": gateway.resume_token(relay.request_id,
-                                                                                         relay.owner),
-               "x-tokenfleet-model": relay.route.model}
+    headers = {
+        "x-request-id": relay.request_id,
+        "x-resume-token": gateway.resume_token(relay.request_id, relay.owner),
+        "x-tokenfleet-model": relay.route.model,
+    }
     deprecated = gateway.router.catalog.models[relay.route.model].deprecated_on
     if deprecated is not None:
         headers["x-tokenfleet-deprecated-on"] = deprecated.isoformat()
+    if not gateway.buffer.resumable(relay.request_id):  # served, but Redis could not keep it for a resume
+        headers["x-tokenfleet-resume"] = "unavailable"
     return {**(relay.rate_limit_headers or {}), **headers}
 
 
@@ -148,8 +176,10 @@ def _add_stream_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.get("/v1/requests/{request_id}/stream")
     async def resume(request_id: str, request: Request) -> Response:
         last = request.headers.get("last-event-id") or request.query_params.get("last_event_id") or "0"
-        if not last.isdigit():
-            raise bad_request("Last-Event-ID must be the integer id of an event", param="Last-Event-ID")
+        if not EVENT_ID.fullmatch(last):  # not str.isdigit(): "²" and "１" are digits that int() refuses or reads
+            raise bad_request(
+                "Last-Event-ID must be the integer id of an event (ASCII digits, at most 18)", param="Last-Event-ID"
+            )
         await gateway.resumable(request_id, request)
         gateway.metrics.resumes.inc()
         return gateway.sse(request_id, int(last))
@@ -173,7 +203,7 @@ def _add_replica_routes(app: FastAPI, gateway: Gateway, admin_key: str | None) -
         body = await read_json(request)
         name, draining = (body.get("replica"), body.get("draining", True)) if isinstance(body, dict) else (None, 1)
         if not isinstance(name, str) or not isinstance(draining, bool):
-            raise bad_request("send {\"replica\": <name or URL>, \"draining\": true|false}", param="replica")
+            raise bad_request('send {"replica": <name or URL>, "draining": true|false}', param="replica")
         if not any(pools.set_draining(name, draining) for pools in gateway.router.models.values()):
             raise not_found(f"no replica {name!r}", param="replica")
         return {"replica": name, "draining": draining}

@@ -3,19 +3,21 @@
 Key look-ups are cached for a few seconds, so a busy gateway asks the database once per key per TTL, not once per
 request; a key revoked through this gateway's admin API is dropped from the cache at once, elsewhere within the TTL.
 """
+
 from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Mapping, Protocol
+from typing import Protocol
 
 from starlette.requests import Request
 
 from tokenfleet.api.errors import APIError, unauthorized
 from tokenfleet.dispatch.tiers import TierConfig
-from tokenfleet.quota.base import Scope
+from tokenfleet.quota.base import Scope, scopes_for
 from tokenfleet.quota.limits import Limits
 from tokenfleet.store.records import Principal
 
@@ -39,20 +41,38 @@ class Caller:
 
     @cached_property
     def _scopes(self) -> tuple[Scope, Scope]:  # once per principal: the Authenticator keeps its Caller
-        p, tenant = self.principal, self.principal.org_id
-        return (Scope(f"org:{tenant}", tenant, self.tier.org_limits.override(p.org_limits)),
-                Scope(f"user:{tenant}/{p.user_id}", tenant, self.tier.user_limits.override(p.user_limits)))
+        p = self.principal
+        return scopes_for(
+            p.org_id,
+            p.user_id,
+            self.tier.org_limits.override(p.org_limits),
+            self.tier.user_limits.override(p.user_limits),
+        )
 
 
 def open_principal(tier: str) -> Principal:
     """The single user of an embedded server started without authentication."""
-    return Principal(key_id="open", org_id="local", org_name="local", user_id="local", user_name="local",
-                     tier=tier, org_limits=Limits(), user_limits=Limits(), provisioned_share=None)
+    return Principal(
+        key_id="open",
+        org_id="local",
+        org_name="local",
+        user_id="local",
+        user_name="local",
+        tier=tier,
+        org_limits=Limits(),
+        user_limits=Limits(),
+        provisioned_share=None,
+    )
 
 
 class Authenticator:
-    def __init__(self, keys: KeyDirectory | None, tiers: Mapping[str, TierConfig], open_tier: str = "paid",
-                 cache_ttl_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        keys: KeyDirectory | None,
+        tiers: Mapping[str, TierConfig],
+        open_tier: str = "paid",
+        cache_ttl_s: float = 5.0,
+    ) -> None:
         """keys=None runs open: every request is the embedded server's single user, on `open_tier`."""
         self.keys, self.tiers, self.cache_ttl_s = keys, tiers, cache_ttl_s
         self.open_caller = None if keys is not None else self._caller(open_principal(open_tier))
@@ -69,8 +89,9 @@ class Authenticator:
         principal = await self.keys.authenticate(plaintext)
         if principal is None:
             self._cache.pop(digest, None)
-            raise unauthorized(f"Incorrect API key provided: {_redact(plaintext)}. Create or look up keys with "
-                               "`tokenfleet keys`.")
+            raise unauthorized(
+                f"Incorrect API key provided: {_redact(plaintext)}. Create or look up keys with `tokenfleet keys`."
+            )
         caller = self._caller(principal)
         self._cache[digest] = (time.monotonic() + self.cache_ttl_s, caller)
         return caller
@@ -83,15 +104,20 @@ class Authenticator:
     def _caller(self, principal: Principal) -> Caller:
         tier = self.tiers.get(principal.tier)
         if tier is None:
-            raise APIError(403, f"your organisation's tier {principal.tier!r} is not offered by this gateway",
-                           "permission_error", code="unknown_tier")
+            raise APIError(
+                403,
+                f"your organisation's tier {principal.tier!r} is not offered by this gateway",
+                "permission_error",
+                code="unknown_tier",
+            )
         return Caller(principal, tier)
 
 
 def _bearer(header: str | None) -> str:
     if not header:
-        raise unauthorized("You didn't provide an API key. Send it in the Authorization header: "
-                           "`Authorization: Bearer <key>`.")
+        raise unauthorized(
+            "You didn't provide an API key. Send it in the Authorization header: `Authorization: Bearer <key>`."
+        )
     scheme, _, token = header.partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not token:

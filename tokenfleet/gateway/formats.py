@@ -1,5 +1,6 @@
 """How a relayed stream is written as events: OpenAI chunks (`/v1/*`) or the native format of the design
 document (`data: {"delta": ..., "index": i}` events, then `event: done` with usage). Resume replays the same."""
+
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ Event = tuple[str, str | None]  # (data, event name)
 
 @dataclass
 class OpenAIFormat:
+    kind = "openai"  # how the resume buffer names the format, to end a stream whose gateway is gone
     request_id: str
     include_usage: bool  # whether the client asked for the final usage chunk
     continuous_usage: bool = False  # ... and for usage on every chunk
@@ -33,21 +35,38 @@ class OpenAIFormat:
 
     def retrying(self, info: dict) -> list[Event]:
         """A chunk with no choices (clients skip those, like the usage chunk) under the event name `retrying`."""
-        return [(json.dumps({"id": self.request_id, "object": "chat.completion.chunk", "choices": [],
-                             "retrying": info}), "retrying")]
+        return [
+            (
+                json.dumps({"id": self.request_id, "object": "chat.completion.chunk", "choices": [], "retrying": info}),
+                "retrying",
+            )
+        ]
 
 
 @dataclass
 class NativeFormat:
+    kind = "native"
     request_id: str
 
     def chunk(self, chunk: dict) -> list[Event]:
         if is_usage(chunk):
             usage = chunk["usage"]
             details = usage.get("prompt_tokens_details") or {}
-            return [(json.dumps({"id": self.request_id, "usage": {
-                "input_tokens": usage["prompt_tokens"], "cached_tokens": details.get("cached_tokens", 0),
-                "output_tokens": usage["completion_tokens"]}}), "done")]
+            return [
+                (
+                    json.dumps(
+                        {
+                            "id": self.request_id,
+                            "usage": {
+                                "input_tokens": usage["prompt_tokens"],
+                                "cached_tokens": details.get("cached_tokens", 0),
+                                "output_tokens": usage["completion_tokens"],
+                            },
+                        }
+                    ),
+                    "done",
+                )
+            ]
         events = []
         for choice in chunk.get("choices", []):
             delta = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
@@ -71,6 +90,7 @@ class NativeFormat:
 class CollectFormat:
     """A non-streamed request: keeps the chunks for one aggregated response and writes no events."""
 
+    kind = "collect"
     request_id: str
     chunks: list[dict] = field(default_factory=list)
     failure: APIError | None = None
@@ -88,6 +108,13 @@ class CollectFormat:
 
     def retrying(self, info: dict) -> list[Event]:
         return []
+
+
+def ending_with_error(kind: str, request_id: str, error: APIError) -> list[Event]:
+    """The last events of a stream that cannot go on (its gateway died, or the resume buffer failed), in the
+    stream's format: the error, then the format's end."""
+    fmt = NativeFormat(request_id) if kind == NativeFormat.kind else OpenAIFormat(request_id, False)
+    return fmt.error(error) + fmt.end()
 
 
 def is_usage(chunk: dict) -> bool:

@@ -1,17 +1,21 @@
 """A relay runs one request's generation in the background, independent of any client connection, and writes
 every event to the resume buffer; client connections read from there at their own pace. So a slow or dropped
 client never blocks generation, and a reconnecting client resumes where it left off."""
+
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Mapping
 
 from tokenfleet.api.errors import APIError
 from tokenfleet.gateway.formats import Event, EventFormat
 from tokenfleet.gateway.resume import ResumeBuffer, StreamEvent
+from tokenfleet.metering.outage import raise_if_cancelled
 
 log = logging.getLogger(__name__)
 
@@ -34,23 +38,21 @@ class Relay:
     first_token_at: float | None = None  # time.monotonic() of the first generated text
     failure: str | None = None  # why generation failed, if it did
     _cancel_timer: asyncio.TimerHandle | None = None
+    _running: bool = False  # whether the task has begun (a task cancelled before that never runs its clean-up)
+    _usage_json: str | None = None  # self.usage as stored beside each event, for metering after a crash
 
     async def start(self, chunks: AsyncIterator[dict]) -> None:
-        await self.buffer.open(self.request_id, self.owner)
+        await self.buffer.open(self.request_id, self.owner, self.format.kind)
         self.task = asyncio.create_task(self._run(chunks), name=f"relay-{self.request_id}")
 
     async def _run(self, chunks: AsyncIterator[dict]) -> None:
+        self._running = True
         try:
-            async for chunk in chunks:
-                if "retrying" in chunk:  # the replica died; the response goes on from another one
-                    await self._emit_all(self.format.retrying(chunk["retrying"]))
-                    continue
-                if self.first_token_at is None and chunk.get("choices"):
-                    self.first_token_at = time.monotonic()
-                if chunk.get("usage"):  # the final count, or the count so far if it gets cancelled
-                    self.usage = chunk["usage"]
-                    chunk["usage"] = {k: v for k, v in self.usage.items() if k != "engine_s"}  # metering's only
-                await self._emit_all(self.format.chunk(chunk))
+            async with aclosing(chunks):  # however the relay stops, the replica's stream is closed now
+                self._stop_if_cancelled()
+                async for chunk in chunks:
+                    await self._relay(chunk)
+                    self._stop_if_cancelled()
         except APIError as e:
             self.failure = e.message
             await self._emit_all(self.format.error(e))
@@ -64,10 +66,29 @@ class Relay:
         finally:
             await self._finish()
 
+    async def _relay(self, chunk: dict) -> None:
+        if "retrying" in chunk:  # the replica died; the response goes on from another one
+            await self._emit_all(self.format.retrying(chunk["retrying"]))
+            return
+        if self.first_token_at is None and chunk.get("choices"):
+            self.first_token_at = time.monotonic()
+        if chunk.get("usage"):  # the final count, or the count so far if it gets cancelled
+            self.usage = chunk["usage"]
+            self._usage_json = json.dumps(self.usage, separators=(",", ":"))
+            chunk["usage"] = {k: v for k, v in self.usage.items() if k != "engine_s"}  # metering's only
+        await self._emit_all(self.format.chunk(chunk))
+
+    def _stop_if_cancelled(self) -> None:
+        """A cancellation can get lost on its way in: redis-py swallows one that lands just as a reply arrives and
+        returns normally, and the relay would then generate to the end. So it checks between events as well."""
+        if self.cancel_reason is not None:
+            raise asyncio.CancelledError()
+        raise_if_cancelled()
+
     async def _emit_all(self, events: list[Event]) -> None:
         for data, name in events:
             self.last_id += 1
-            await self.buffer.append(self.request_id, StreamEvent(self.last_id, data, name))
+            await self.buffer.append(self.request_id, StreamEvent(self.last_id, data, name, self._usage_json))
 
     async def _finish(self) -> None:
         try:
@@ -85,7 +106,8 @@ class Relay:
         if self.finished.is_set() or self.task is None:
             return False
         self.cancel_reason = reason
-        self.task.cancel()
+        if self._running:  # not yet: _run stops at its start, after which its clean-up runs
+            self.task.cancel()
         return True
 
     def reader_joined(self) -> None:

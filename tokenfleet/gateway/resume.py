@@ -1,13 +1,27 @@
 """The resume buffer: every event of a stream, kept for a few minutes so a client that reconnects with
 Last-Event-ID gets what it missed, exactly once, then the live events. In memory when embedded; a capped,
 expiring Redis Stream per request in a fleet (so any gateway can resume any stream)."""
+
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
+import uuid
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import Protocol
+
+from redis.exceptions import RedisError
+
+from tokenfleet.api.errors import APIError
+from tokenfleet.gateway.formats import ending_with_error
+from tokenfleet.metering.outage import raise_if_cancelled
+
+logger = logging.getLogger(__name__)
+REDIS_FAILURES = (RedisError, OSError, asyncio.TimeoutError)  # every way a Redis call can fail for want of Redis
 
 
 @dataclass(frozen=True)
@@ -15,6 +29,7 @@ class StreamEvent:
     id: int  # 1, 2, 3, ... within one request
     data: str
     event: str | None = None
+    usage: str | None = None  # the replica's usage so far (JSON), never sent to clients: what metering reconciles
 
 
 class Follower(Protocol):
@@ -26,9 +41,10 @@ class Follower(Protocol):
 
 
 class ResumeBuffer(Protocol):
-    async def open(self, request_id: str, owner: str = "") -> None:
+    async def open(self, request_id: str, owner: str = "", kind: str = "openai") -> None:
         """Creates the stream before its first event, so a reader arriving early waits instead of ending.
-        `owner` is the tenant the stream belongs to: only it may resume the stream."""
+        `owner` is the tenant the stream belongs to: only it may resume the stream. `kind` is its event format
+        (formats.py), for the error that ends it should its gateway die."""
 
     async def append(self, request_id: str, event: StreamEvent) -> None: ...
 
@@ -43,6 +59,12 @@ class ResumeBuffer(Protocol):
 
     def read(self, request_id: str, after: int) -> AsyncIterator[StreamEvent]:
         """Events with id > after, then live ones until the stream is closed."""
+
+    def resumable(self, request_id: str) -> bool:
+        """Whether a client can resume the stream (False when it could not be kept where resumes read)."""
+
+    def release(self, request_id: str) -> None:
+        """This gateway has stopped relaying the stream; a copy kept only for its own readers may go."""
 
 
 async def read_all(follower: Follower, wait_s: float) -> AsyncIterator[StreamEvent]:
@@ -102,7 +124,7 @@ class _MemoryFollower:
         events = self.log.events
         if self.position >= len(events):
             return []
-        new, self.position = events[self.position:], len(events)
+        new, self.position = events[self.position :], len(events)
         if new[0].id <= self.after:  # a reader may ask for an id the stream has not reached yet
             new = [e for e in new if e.id > self.after]
         return new
@@ -114,7 +136,7 @@ class MemoryResumeBuffer:
         # least recently touched first: with one TTL for all, that is also the order in which they expire
         self._logs: OrderedDict[str, _Log] = OrderedDict()
 
-    async def open(self, request_id: str, owner: str = "") -> None:
+    async def open(self, request_id: str, owner: str = "", kind: str = "openai") -> None:
         log = self._log(request_id)
         log.owner = owner
         self._touch(request_id, log)
@@ -141,6 +163,20 @@ class MemoryResumeBuffer:
     def read(self, request_id: str, after: int) -> AsyncIterator[StreamEvent]:
         return read_all(self.follow(request_id, after), 60.0)
 
+    def resumable(self, request_id: str) -> bool:
+        return True
+
+    def release(self, request_id: str) -> None:
+        """Nothing to do: this is the stream's only copy, kept until it expires."""
+
+    def holds(self, request_id: str) -> bool:
+        self._expire()
+        return request_id in self._logs
+
+    def forget(self, request_id: str) -> None:
+        """Drops the stream now (readers already following it read on to its end)."""
+        self._logs.pop(request_id, None)
+
     def _log(self, request_id: str) -> _Log:
         self._expire()
         log = self._logs.get(request_id)
@@ -162,19 +198,40 @@ class MemoryResumeBuffer:
             del self._logs[request_id]
 
 
+LOST = "the gateway relaying this request stopped before the generation finished; the rest of it was lost"
+
+
 class _RedisFollower:
+    """Reads a stream from Redis. It always ends: after the stream's end marker, or, when the stream can no longer
+    go on (its gateway died, the stream vanished, Redis failed), after an error event in the stream's format."""
+
     def __init__(self, buffer: RedisResumeBuffer, request_id: str, after: int) -> None:
-        self.buffer, self.key, self.after = buffer, buffer._key(request_id), after
+        self.buffer, self.request_id, self.key = buffer, request_id, buffer._key(request_id)
+        self.last_id = after  # the newest event id handed out (a repeated entry is skipped)
         self.cursor, self.ended = "0-0", False
+        self.opened, self.kind, self.gateway = False, "openai", ""  # from the stream's open entry
 
     async def next(self, wait_s: float) -> list[StreamEvent] | None:
         if self.ended:
             return None
-        redis = self.buffer.redis
+        try:
+            return await self._next(wait_s)
+        except REDIS_FAILURES as e:
+            raise_if_cancelled(e)  # the client left: redis-py may have turned that cancel into a connection error
+            return self._end_with(
+                APIError(
+                    503,
+                    f"the resume buffer is unavailable ({type(e).__name__}); resume this stream again shortly",
+                    "service_unavailable",
+                    code="service_unavailable",
+                )
+            )
+
+    async def _next(self, wait_s: float) -> list[StreamEvent] | None:
         block_ms = max(1, int(1000 * min(wait_s, self.buffer.block_ms / 1000)))
-        reply = await redis.xread({self.key: self.cursor}, count=500, block=block_ms)
+        reply = await self.buffer.redis.xread({self.key: self.cursor}, count=500, block=block_ms)
         if not reply:
-            return [] if await redis.exists(self.key) else None  # expired or never existed: nothing will come
+            return await self._idle()
         events = []
         for entry_id, fields in reply[0][1]:
             self.cursor = entry_id
@@ -182,45 +239,95 @@ class _RedisFollower:
             if RedisResumeBuffer.END in fields:
                 self.ended = True
                 break
+            if RedisResumeBuffer.LOST in fields:
+                return events + self._end_with(APIError(502, fields[RedisResumeBuffer.LOST], "server_error"))
             if RedisResumeBuffer.OPEN in fields:
+                self.opened = True
+                self.kind, self.gateway = fields.get("format", "openai"), fields.get("gateway", "")
                 continue
             event = StreamEvent(int(fields["id"]), fields["data"], fields.get("event"))
-            if event.id > self.after:
+            if event.id > self.last_id:
                 events.append(event)
+                self.last_id = event.id
         return events if events or not self.ended else None
+
+    async def _idle(self) -> list[StreamEvent] | None:
+        """Nothing new: [] while the stream lives and its gateway does; its end otherwise."""
+        exists, owner_alive = await self.buffer.liveness(self.request_id, self.gateway)
+        if not exists:  # expired, or lost with Redis's memory: one that was being read ends with an error
+            return self._end_with(APIError(502, LOST, "server_error")) if self.opened else None
+        if not owner_alive:
+            return self._end_with(APIError(502, LOST, "server_error"))
+        return []
+
+    def _end_with(self, error: APIError) -> list[StreamEvent]:
+        self.ended = True
+        endings = ending_with_error(self.kind, self.request_id, error)
+        return [StreamEvent(self.last_id + i, data, name) for i, (data, name) in enumerate(endings, 1)]
 
 
 class RedisResumeBuffer:
-    """One Redis Stream per request, `{prefix}{request_id}`: capped length, expiring after `ttl_s`."""
+    """One Redis Stream per request, `{prefix}{request_id}`: capped length, expiring after `ttl_s`.
+
+    With `owner_lease_s`, this gateway marks itself alive (`keep_alive`, a key expiring after the lease) and names
+    itself in each stream it opens, so a reader on another gateway ends a stream whose gateway died with an error
+    instead of waiting for events that will never come."""
 
     END = "end"
     OPEN = "open"
+    LOST = "lost"  # the stream could not be kept here to its end: readers get an error event with this message
 
-    def __init__(self, redis, prefix: str = "tokenfleet:stream:", ttl_s: int = 300, max_events: int = 100_000,
-                 block_ms: int = 1000) -> None:
+    def __init__(
+        self,
+        redis,
+        prefix: str = "tokenfleet:stream:",
+        ttl_s: int = 300,
+        max_events: int = 100_000,
+        block_ms: int = 1000,
+        owner_lease_s: float | None = None,
+    ) -> None:
         self.redis, self.prefix, self.ttl_s = redis, prefix, ttl_s
         self.max_events, self.block_ms = max_events, block_ms
+        self.owner_lease_s = owner_lease_s
+        self.gateway_id = uuid.uuid4().hex if owner_lease_s else ""
 
     def _key(self, request_id: str) -> str:
         return self.prefix + request_id
 
-    async def open(self, request_id: str, owner: str = "") -> None:
-        await self._add(request_id, {self.OPEN: owner})
+    def _alive_key(self, gateway_id: str) -> str:
+        return f"{self.prefix}gateway-alive:{gateway_id}"
+
+    async def open(self, request_id: str, owner: str = "", kind: str = "openai") -> None:
+        fields = {self.OPEN: owner, "format": kind}
+        if self.gateway_id:
+            fields["gateway"] = self.gateway_id
+        await self._add(request_id, fields, mark_alive=bool(self.gateway_id))
 
     async def append(self, request_id: str, event: StreamEvent) -> None:
         fields = {"id": event.id, "data": event.data}
         if event.event is not None:
             fields["event"] = event.event
+        if event.usage is not None:
+            fields["usage"] = event.usage
         await self._add(request_id, fields)
 
     async def close(self, request_id: str) -> None:
         await self._add(request_id, {self.END: 1})
 
-    async def _add(self, request_id: str, fields: dict) -> None:
+    async def abandon(self, request_id: str, message: str) -> None:
+        """Ends an existing stream with an error for its readers (its events could not all be kept here)."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.xadd(self._key(request_id), {self.LOST: message}, nomkstream=True)
+            pipe.expire(self._key(request_id), self.ttl_s)
+            await pipe.execute()
+
+    async def _add(self, request_id: str, fields: dict, mark_alive: bool = False) -> None:
         key = self._key(request_id)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.xadd(key, fields, maxlen=self.max_events, approximate=True)
             pipe.expire(key, self.ttl_s)
+            if mark_alive:  # also here, not only in keep_alive: a stream never names a gateway not marked alive
+                pipe.set(self._alive_key(self.gateway_id), 1, px=int(self.owner_lease_s * 1000))
             await pipe.execute()
 
     async def owner(self, request_id: str) -> str | None:
@@ -230,11 +337,47 @@ class RedisResumeBuffer:
         fields = {_text(k): _text(v) for k, v in first[0][1].items()}
         return fields.get(self.OPEN, "")
 
+    async def liveness(self, request_id: str, gateway_id: str) -> tuple[bool, bool]:
+        """(whether the stream exists, whether the gateway that relays it is alive; True when it is not known)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.exists(self._key(request_id))
+            if gateway_id:
+                pipe.exists(self._alive_key(gateway_id))
+            replies = await pipe.execute()
+        return bool(replies[0]), not gateway_id or bool(replies[1])
+
+    async def last_usage(self, request_id: str) -> dict | None:
+        """The replica's last usage report in the stream (what had been generated when it stopped), or None."""
+        for _, fields in await self.redis.xrevrange(self._key(request_id), count=32):
+            usage = fields.get(b"usage", fields.get("usage"))
+            if usage is not None:
+                return json.loads(usage)
+        return None
+
+    async def keep_alive(self) -> None:
+        """Marks this gateway alive, three times per lease, until cancelled (a gateway service)."""
+        failing = False
+        while True:
+            try:
+                await self.redis.set(self._alive_key(self.gateway_id), 1, px=int(self.owner_lease_s * 1000))
+                failing = False
+            except REDIS_FAILURES as e:
+                if not failing:
+                    logger.warning("resume buffer: cannot mark this gateway alive in Redis: %r", e)
+                failing = True
+            await asyncio.sleep(self.owner_lease_s / 3)
+
     def follow(self, request_id: str, after: int) -> Follower:
         return _RedisFollower(self, request_id, after)
 
     def read(self, request_id: str, after: int) -> AsyncIterator[StreamEvent]:
         return read_all(self.follow(request_id, after), self.block_ms / 1000)
+
+    def resumable(self, request_id: str) -> bool:
+        return True
+
+    def release(self, request_id: str) -> None:
+        """Nothing to do: Redis expires the stream."""
 
 
 def _text(value) -> str:

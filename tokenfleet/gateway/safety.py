@@ -1,9 +1,10 @@
 """The safety-check hook: an async function the gateway calls for every request, concurrently with choosing a
 replica. It returns a refusal message to block the request, or None to let it through."""
+
 from __future__ import annotations
 
 import importlib
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 SafetyHook = Callable[[dict, list[int]], Awaitable[str | None]]
 

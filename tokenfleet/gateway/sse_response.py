@@ -4,23 +4,32 @@ limit for slow readers, and it tells its owner how the connection ended.
 One task per stream does all of it: the request's own task reads the resume buffer, writes events and pings, and
 times its sends. A second, idle one only waits for the disconnect message (ASGI offers no other way to learn of
 it) and interrupts the first when it comes."""
+
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from collections.abc import Callable
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from tokenfleet.api.sse import PING, SSE_HEADERS, sse_event
 from tokenfleet.gateway.resume import Follower, StreamEvent
+from tokenfleet.metering.outage import raise_if_cancelled
 
 
 class SSEResponse(Response):
     media_type = "text/event-stream"
 
-    def __init__(self, source: Follower, headers: dict, ping_interval_s: float, send_timeout_s: float,
-                 on_end: Callable[[str], None], behind: Callable[[int], bool] | None = None) -> None:
+    def __init__(
+        self,
+        source: Follower,
+        headers: dict,
+        ping_interval_s: float,
+        send_timeout_s: float,
+        on_end: Callable[[str], None],
+        behind: Callable[[int], bool] | None = None,
+    ) -> None:
         """behind(event_id): whether a reader now at this event is too far behind the stream (it is cut off)."""
         self.status_code, self.background = 200, None
         self.init_headers({**SSE_HEADERS, **headers})  # no body attribute: no content-length, it streams
@@ -61,6 +70,9 @@ class SSEResponse(Response):
         ping_at = loop.time() + self.ping_interval_s
         while True:
             events = await self.source.next(max(0.0, ping_at - loop.time()))
+            # a disconnect cancels this task; redis-py may lose that cancellation and return normally, and sends
+            # to a closed connection do not fail, so without this the stream would go on to its end unread
+            raise_if_cancelled()
             if events is None:
                 return "complete"
             if events:

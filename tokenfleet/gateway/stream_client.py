@@ -3,13 +3,14 @@ piece by piece. httptools parses, a protocol object buffers what arrives, and a 
 time (a timer, not a task, enforces the read timeout). Connections are kept alive and reused.
 
 Only `http://` replicas; httpx does everything else (load reports, health checks, https)."""
+
 from __future__ import annotations
 
 import asyncio
 import socket
 import time
 from collections import deque
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
 import httptools
@@ -70,8 +71,9 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
     def usable(self, now: float, idle_s: float) -> bool:
-        return (not self.lost and not self.received and not self.transport.is_closing()
-                and now - self.idle_since < idle_s)
+        return (
+            not self.lost and not self.received and not self.transport.is_closing() and now - self.idle_since < idle_s
+        )
 
     # --- asyncio.Protocol -------------------------------------------------------------------------------------
 
@@ -199,8 +201,15 @@ class _Exchange:
 
 
 class StreamClient:
-    def __init__(self, base_url: str, connect_timeout_s: float = 5.0, read_timeout_s: float = 30.0,
-                 max_idle: int = 64, idle_s: float = 4.0, high_water: int = 256) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 30.0,
+        max_idle: int = 64,
+        idle_s: float = 4.0,
+        high_water: int = 256,
+    ) -> None:
         """idle_s: how long an idle connection is kept for reuse; below the servers' own keep-alive timeout
         (uvicorn's, and so vLLM's, is 5 s) so that we rarely pick one the server is just closing."""
         url = urlsplit(base_url)
@@ -210,8 +219,10 @@ class StreamClient:
         self.prefix = url.path.rstrip("/")
         self.connect_timeout_s, self.read_timeout_s = connect_timeout_s, read_timeout_s
         self.max_idle, self.idle_s, self.high_water = max_idle, idle_s, high_water
-        self._head = (f"Host: {url.netloc}\r\nContent-Type: application/json\r\nAccept: text/event-stream\r\n"
-                      "User-Agent: tokenfleet-gateway\r\n")
+        self._head = (
+            f"Host: {url.netloc}\r\nContent-Type: application/json\r\nAccept: text/event-stream\r\n"
+            "User-Agent: tokenfleet-gateway\r\n"
+        )
         self._idle: deque[_Connection] = deque()
 
     def post(self, path: str, body: bytes) -> _Exchange:
@@ -262,18 +273,23 @@ class StreamClient:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                _, connection = await loop.create_connection(lambda: _Connection(self.high_water), self.host,
-                                                             self.port)
+                _, connection = await loop.create_connection(lambda: _Connection(self.high_water), self.host, self.port)
         except TimeoutError as e:  # before OSError: TimeoutError is one
-            raise UpstreamConnectTimeout(f"no connection to {self.host}:{self.port} within "
-                                         f"{self.connect_timeout_s:g} s") from e
+            raise UpstreamConnectTimeout(
+                f"no connection to {self.host}:{self.port} within {self.connect_timeout_s:g} s"
+            ) from e
         except OSError as e:
             raise UpstreamConnectError(f"cannot connect to {self.host}:{self.port}: {e}") from e
         return connection
 
     def _release(self, connection: _Connection, clean: bool) -> None:
-        reuse = (clean and connection.complete and connection.keep_alive and not connection.lost
-                 and len(self._idle) < self.max_idle)
+        reuse = (
+            clean
+            and connection.complete
+            and connection.keep_alive
+            and not connection.lost
+            and len(self._idle) < self.max_idle
+        )
         if not reuse:
             connection.close()
             return

@@ -1,11 +1,13 @@
 """Where the gateway sends work: a replica in this process, or a replica (ours or any OpenAI-compatible server)
 over HTTP. Both stream OpenAI chunk objects back and report their load."""
+
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import TYPE_CHECKING, AsyncIterator, Protocol
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -19,34 +21,35 @@ if TYPE_CHECKING:
 PATHS = {"chat": "/v1/chat/completions", "text": "/v1/completions"}
 
 
-class Upstream(Protocol):
-    name: str
-
-    def stream(self, kind: str, body: dict) -> AsyncIterator[dict]:
-        """Streams the chunks of a completion ("chat" or "text"); raises APIError if the replica rejects it."""
-
-    async def load(self) -> LoadReport:
-        """Running, waiting, queued prefill tokens, KV usage; raises LoadUnavailable when it cannot tell."""
-
-
 class InProcessUpstream:
     def __init__(self, service: ReplicaService, name: str = "local") -> None:
         self.service, self.name = service, name
 
     async def stream(self, kind: str, body: dict) -> AsyncIterator[dict]:
-        _, stream, renderer = self.service.open(kind, {**body, "stream": True})
+        _, stream, renderer = await self.service.open(kind, {**body, "stream": True})
         async for chunk in self.service.chunks(stream, renderer, include_usage=True, continuous_usage=True):
             yield chunk
 
     async def load(self) -> LoadReport:
         report = self.service.engine.state().load
-        return LoadReport(report["running"], report["waiting"] + report["swapped"], report["queued_prefill_tokens"],
-                          report["kv_usage"], time.monotonic())
+        return LoadReport(
+            report["running"],
+            report["waiting"] + report["swapped"],
+            report["queued_prefill_tokens"],
+            report["kv_usage"],
+            time.monotonic(),
+        )
 
 
 class HttpUpstream:
-    def __init__(self, base_url: str, name: str | None = None, kind: str = "tokenfleet",
-                 connect_timeout_s: float = 5.0, read_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        name: str | None = None,
+        kind: str = "tokenfleet",
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 30.0,
+    ) -> None:
         """kind: "tokenfleet" (load from GET /load) or "openai" (any OpenAI-compatible server; load from vLLM's
         /metrics). read_timeout_s bounds the wait for each next piece of a stream: a hung replica fails the
         request (which the router then continues elsewhere) instead of hanging it. Streams to an http:// replica
@@ -56,8 +59,11 @@ class HttpUpstream:
         # one connection per in-flight stream: no pool cap, or streams beyond it would queue for a connection
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         self.client = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, limits=limits)
-        self.streams = (StreamClient(self.base_url, connect_timeout_s, read_timeout_s)
-                        if self.base_url.startswith("http://") else None)
+        self.streams = (
+            StreamClient(self.base_url, connect_timeout_s, read_timeout_s)
+            if self.base_url.startswith("http://")
+            else None
+        )
 
     async def stream(self, kind: str, body: dict) -> AsyncIterator[dict]:
         # usage on every chunk, so a cancelled request is metered by what it generated
@@ -68,8 +74,9 @@ class HttpUpstream:
                 async for chunk in chunks:
                     yield chunk
         except (httpx.HTTPError, UpstreamError) as e:
-            raise APIError(502, f"replica {self.name} failed: {e.__class__.__name__}", "server_error",
-                           code="upstream_error") from e
+            raise APIError(
+                502, f"replica {self.name} failed: {e.__class__.__name__}", "server_error", code="upstream_error"
+            ) from e
 
     async def _stream(self, kind: str, payload: dict) -> AsyncIterator[dict]:
         async with self.streams.post(PATHS[kind], json.dumps(payload).encode()) as response:
@@ -115,7 +122,13 @@ def _replica_error(status: int, body: bytes) -> APIError:
     except (ValueError, KeyError, TypeError):
         error = {"message": body.decode(errors="replace")[:500]}
     if 400 <= status < 500:
-        return APIError(status, error.get("message", ""), error.get("type", "invalid_request_error"),
-                        error.get("param"), error.get("code"))
-    return APIError(502, f"replica answered {status}: {error.get('message', '')}", "server_error",
-                    code="upstream_error")
+        return APIError(
+            status,
+            error.get("message", ""),
+            error.get("type", "invalid_request_error"),
+            error.get("param"),
+            error.get("code"),
+        )
+    return APIError(
+        502, f"replica answered {status}: {error.get('message', '')}", "server_error", code="upstream_error"
+    )

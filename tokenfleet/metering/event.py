@@ -1,19 +1,30 @@
 """The usage event: one record per request that finished, was cancelled or failed — what billing, dashboards and
 capacity planning are built from. Validated on construction, so nothing malformed reaches the outbox or the log."""
+
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
 from dataclasses import dataclass
-from datetime import date, datetime, timezone
+from datetime import UTC, date, datetime
 from typing import Any
 
 STATUSES = ("finished", "cancelled", "failed")
 
 # Longest value per text field; the SQL columns have these lengths (store/models.py), so a valid event always fits.
-MAX_LENGTHS = {"request_id": 128, "org_id": 64, "user_id": 64, "key_id": 64, "model": 200, "replica": 200,
-               "pool": 64, "tier": 64, "status": 16, "route": 500}
+MAX_LENGTHS = {
+    "request_id": 128,
+    "org_id": 64,
+    "user_id": 64,
+    "key_id": 64,
+    "model": 200,
+    "replica": 200,
+    "pool": 64,
+    "tier": 64,
+    "status": 16,
+    "route": 500,
+}
 # replica, pool and route may be "": a request can fail before a replica is chosen.
 REQUIRED = ("request_id", "org_id", "user_id", "key_id", "model", "tier")
 COUNTS = ("input_tokens", "cached_tokens", "output_tokens")
@@ -46,8 +57,7 @@ class UsageEvent:
         for name in ("started_at", "ended_at"):  # stored as UTC whatever zone they came in
             object.__setattr__(self, name, _utc(getattr(self, name), name))
         if self.ended_at < self.started_at:
-            raise ValueError(f"ended_at {self.ended_at.isoformat()} is before started_at "
-                             f"{self.started_at.isoformat()}")
+            raise ValueError(f"ended_at {self.ended_at.isoformat()} is before started_at {self.started_at.isoformat()}")
 
     @property
     def day(self) -> date:
@@ -66,7 +76,7 @@ class UsageEvent:
         return json.dumps(self.to_dict(), separators=(",", ":"), allow_nan=False)
 
     @classmethod
-    def from_dict(cls, values: object) -> "UsageEvent":
+    def from_dict(cls, values: object) -> UsageEvent:
         if not isinstance(values, dict):
             raise ValueError(f"a usage event must be a JSON object, got {type(values).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
@@ -80,7 +90,7 @@ class UsageEvent:
         return cls(**given)
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "UsageEvent":
+    def from_json(cls, text: str | bytes) -> UsageEvent:
         try:
             values = json.loads(text)
         except (TypeError, ValueError) as e:
@@ -124,7 +134,7 @@ def _utc(value: object, name: str) -> datetime:
         raise ValueError(f"{name} must be a datetime, got {value!r}")
     if value.tzinfo is None or value.utcoffset() is None:
         raise ValueError(f"{name} must be timezone-aware (UTC), got a naive datetime")
-    return value.astimezone(timezone.utc)
+    return value.astimezone(UTC)
 
 
 def _parse_time(value: object, name: str) -> datetime:

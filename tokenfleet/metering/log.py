@@ -4,10 +4,12 @@ in a fleet (redis_log.py), an in-process log when embedded (memory_log.py).
 Delivery is at least once. An entry a consumer read stays pending until it is acked; if that consumer dies, the
 entry goes to another reader once it has been idle for `claim_idle_ms`. Publishing may also repeat an event (a
 shipper that crashed before marking it sent), so consumers must be idempotent on request_id."""
+
 from __future__ import annotations
 
 import logging
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from tokenfleet.metering.event import UsageEvent
 

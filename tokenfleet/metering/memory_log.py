@@ -1,13 +1,14 @@
 """The usage log when embedded: in process, with the Redis Stream's semantics (pending entries, ack, redelivery
 of entries left un-acked past the claim time). It dies with the process; `Outbox.resend_unwritten()` at start-up
 sends again what it held."""
+
 from __future__ import annotations
 
 import asyncio
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from tokenfleet.metering.event import UsageEvent
 from tokenfleet.metering.log import Entry

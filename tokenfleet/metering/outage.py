@@ -1,4 +1,5 @@
 """Backoff for the metering loops, and one log line per outage instead of one per failed try."""
+
 from __future__ import annotations
 
 import asyncio
@@ -20,15 +21,18 @@ class Outage:
         """Records a failed try; returns how long to wait before the next one (doubling up to max_s)."""
         if self.failures == 0:
             self.since = time.monotonic()
-            self.logger.warning("%s unavailable, retrying with backoff: %s: %s", self.what,
-                                type(error).__name__, error)
+            self.logger.warning("%s unavailable, retrying with backoff: %s: %s", self.what, type(error).__name__, error)
         self.failures += 1
         return min(self.max_s, self.base_s * 2 ** min(self.failures - 1, 30))
 
     def recovered(self) -> None:
         if self.failures:
-            self.logger.warning("%s available again after %.1f s (%d failed tries)", self.what,
-                                time.monotonic() - self.since, self.failures)
+            self.logger.warning(
+                "%s available again after %.1f s (%d failed tries)",
+                self.what,
+                time.monotonic() - self.since,
+                self.failures,
+            )
         self.failures = 0
 
     @property

@@ -3,25 +3,34 @@
 A request's row is opened when it starts, with a lease its gateway keeps renewing (and its counts so far), and
 closed with the final event when it ends; only closed rows are shipped. A row whose lease ran out belongs to a
 gateway that died mid-request: `reap` closes it as failed with its last counts, so even a `kill -9` leaves one
-event per request. The shipper moves closed rows on; sent rows are purged after a while."""
+event per request. The shipper moves closed rows on; sent rows are purged after a while, once the warehouse has
+them (until then they may be sent again)."""
+
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime, timedelta
-from typing import Sequence
 
 from sqlalchemy import bindparam, delete, func, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from tokenfleet.metering.event import UsageEvent
+from tokenfleet.metering.log import log
 from tokenfleet.metering.sql import insert_ignoring, upsert_where
 from tokenfleet.store.db import Database
 from tokenfleet.store.models import UsageEventRow, UsageOutboxRow, utcnow
 
 OUTBOX = UsageOutboxRow.__table__
 STILL_OPEN = OUTBOX.c.lease_until.is_not(None)  # built once: part of the cached close statement's key
-CHECKPOINT = (OUTBOX.update().where(OUTBOX.c.request_id == bindparam("rid"), STILL_OPEN)
-              .values(payload=bindparam("body"), lease_until=bindparam("until")))
+# the row's event is in the warehouse (correlated with the outbox row of the statement it is used in)
+WRITTEN = select(UsageEventRow.request_id).where(UsageEventRow.request_id == UsageOutboxRow.request_id)
+Reconcile = Callable[[UsageEvent], Awaitable[UsageEvent]]
+CHECKPOINT = (
+    OUTBOX.update()
+    .where(OUTBOX.c.request_id == bindparam("rid"), STILL_OPEN)
+    .values(payload=bindparam("body"), lease_until=bindparam("until"))
+)
 
 
 class Outbox:
@@ -60,19 +69,44 @@ class Outbox:
             await _open(connection, [e for e in opens if e.request_id not in closing], lease_until)
             await _close(connection, closes)
 
-    async def reap(self, now: datetime | None = None) -> int:
-        """Closes rows whose lease ran out (their gateway died) as failed, with their last counts. Returns how
-        many this call closed; several gateways may reap at once, each row is closed by one of them."""
+    async def reap(
+        self,
+        now: datetime | None = None,
+        reconcile: Reconcile | None = None,
+        reconcile_for: timedelta = timedelta(minutes=5),
+    ) -> int:
+        """Closes rows whose lease ran out (their gateway died) as failed, with their last counts, or with what
+        `reconcile` finds was generated (counts after the last checkpoint). A row `reconcile` fails on is left
+        for the next call, until its lease ran out `reconcile_for` ago. Returns how many this call closed; several
+        gateways may reap at once, each row is closed by one of them."""
         now = now or utcnow()
-        expired = (select(UsageOutboxRow.request_id, UsageOutboxRow.payload)
-                   .where(UsageOutboxRow.lease_until < now).limit(500))
+        expired = (
+            select(UsageOutboxRow.request_id, UsageOutboxRow.payload, UsageOutboxRow.lease_until)
+            .where(UsageOutboxRow.lease_until < now)
+            .limit(500)
+        )
+        async with self.db.session() as session:
+            rows = (await session.execute(expired)).all()
+        finals = []
+        for request_id, payload, lease_until in rows:
+            final = dataclasses.replace(UsageEvent.from_json(payload), status="failed")
+            if reconcile is not None:
+                try:
+                    final = await reconcile(final)
+                except Exception as e:
+                    if now - lease_until < reconcile_for:
+                        log.warning("usage outbox: cannot reconcile %s yet (%r); retrying", request_id, e)
+                        continue
+                    log.error("usage outbox: closing %s with its last checkpoint: %r", request_id, e)
+            finals.append(final)
         closed = 0
         async with self.db.session() as session, session.begin():
-            for request_id, payload in (await session.execute(expired)).all():
-                final = dataclasses.replace(UsageEvent.from_json(payload), status="failed")
-                statement = (update(UsageOutboxRow).where(UsageOutboxRow.request_id == request_id,
-                                                          UsageOutboxRow.lease_until < now)
-                             .values(payload=final.to_json(), lease_until=None))
+            for final in finals:
+                statement = (
+                    update(UsageOutboxRow)
+                    .where(UsageOutboxRow.request_id == final.request_id, UsageOutboxRow.lease_until < now)
+                    .values(payload=final.to_json(), lease_until=None)
+                )
                 closed += (await session.execute(statement)).rowcount
         return closed
 
@@ -80,9 +114,12 @@ class Outbox:
         """The oldest events not yet shipped, with their row ids for `mark_sent`."""
         if limit < 1:
             raise ValueError(f"limit must be at least 1, got {limit}")
-        query = (select(UsageOutboxRow.id, UsageOutboxRow.payload).where(UsageOutboxRow.sent_at.is_(None),
-                                                                   UsageOutboxRow.lease_until.is_(None))
-                 .order_by(UsageOutboxRow.id).limit(limit))
+        query = (
+            select(UsageOutboxRow.id, UsageOutboxRow.payload)
+            .where(UsageOutboxRow.sent_at.is_(None), UsageOutboxRow.lease_until.is_(None))
+            .order_by(UsageOutboxRow.id)
+            .limit(limit)
+        )
         async with self.db.session() as session:
             rows = (await session.execute(query)).all()
         return [(row_id, UsageEvent.from_json(payload)) for row_id, payload in rows]
@@ -90,38 +127,55 @@ class Outbox:
     async def mark_sent(self, ids: Sequence[int]) -> None:
         if not ids:
             return
-        statement = (update(UsageOutboxRow).where(UsageOutboxRow.id.in_(list(ids)), UsageOutboxRow.sent_at.is_(None))
-                     .values(sent_at=utcnow()))
+        statement = (
+            update(UsageOutboxRow)
+            .where(UsageOutboxRow.id.in_(list(ids)), UsageOutboxRow.sent_at.is_(None))
+            .values(sent_at=utcnow())
+        )
         async with self.db.session() as session, session.begin():
             await session.execute(statement)
 
     async def purge_sent(self, older_than: datetime | timedelta) -> int:
-        """Deletes rows sent before `older_than` (a time, or an age such as timedelta(hours=1)); returns how many.
-        A purged request_id could be added again, which is harmless: the warehouse keeps one row per request."""
+        """Deletes rows sent before `older_than` (a time, or an age such as timedelta(hours=1)) whose event is in the
+        warehouse; returns how many. Rows the warehouse does not have yet stay, to be sent again
+        (`resend_unwritten`): the event log may have lost them."""
         cutoff = utcnow() - older_than if isinstance(older_than, timedelta) else older_than
-        statement = delete(UsageOutboxRow).where(UsageOutboxRow.sent_at.is_not(None), UsageOutboxRow.sent_at < cutoff)
+        statement = delete(UsageOutboxRow).where(
+            UsageOutboxRow.sent_at.is_not(None), UsageOutboxRow.sent_at < cutoff, WRITTEN.exists()
+        )
         async with self.db.session() as session, session.begin():
             return (await session.execute(statement)).rowcount
 
     async def pending_count(self) -> int:
-        query = select(func.count()).select_from(UsageOutboxRow).where(UsageOutboxRow.sent_at.is_(None),
-                                                                       UsageOutboxRow.lease_until.is_(None))
+        query = (
+            select(func.count())
+            .select_from(UsageOutboxRow)
+            .where(UsageOutboxRow.sent_at.is_(None), UsageOutboxRow.lease_until.is_(None))
+        )
         async with self.db.session() as session:
             return (await session.execute(query)).scalar_one()
 
-    async def resend_unwritten(self) -> int:
-        """Marks sent rows whose request has no warehouse row as pending again; returns how many. For start-up
-        when the event log is in memory (embedded): events it held when the process died exist only here now."""
-        written = select(UsageEventRow.request_id).where(UsageEventRow.request_id == UsageOutboxRow.request_id)
-        statement = (update(UsageOutboxRow).where(UsageOutboxRow.sent_at.is_not(None), ~written.exists())
-                     .values(sent_at=None))
+    async def resend_unwritten(self, older_than: datetime | timedelta | None = None) -> int:
+        """Marks sent rows whose request has no warehouse row as pending again; returns how many. At start-up when
+        the event log is in memory (embedded): events it held when the process died exist only here now; and, for
+        rows sent before `older_than` (a time, or an age), in a fleet: the Redis Stream may have lost
+        them (a restart without persistence, MAXLEN). The warehouse writer skips any already written."""
+        statement = update(UsageOutboxRow).where(UsageOutboxRow.sent_at.is_not(None), ~WRITTEN.exists())
+        if older_than is not None:
+            cutoff = utcnow() - older_than if isinstance(older_than, timedelta) else older_than
+            statement = statement.where(UsageOutboxRow.sent_at < cutoff)
         async with self.db.session() as session, session.begin():
-            return (await session.execute(statement)).rowcount
+            return (await session.execute(statement.values(sent_at=None))).rowcount
 
 
 def _row(event: UsageEvent, lease_until: datetime | None) -> dict:
-    return {"request_id": event.request_id, "payload": event.to_json(), "created_at": utcnow(), "sent_at": None,
-            "lease_until": lease_until}
+    return {
+        "request_id": event.request_id,
+        "payload": event.to_json(),
+        "created_at": utcnow(),
+        "sent_at": None,
+        "lease_until": lease_until,
+    }
 
 
 async def _open(connection: AsyncConnection, events: Sequence[UsageEvent], lease_until: datetime) -> int:
@@ -133,5 +187,11 @@ async def _close(connection: AsyncConnection, events: Sequence[UsageEvent]) -> i
     """One upsert: an open row gets its final event, a missing one is inserted closed, a closed one is left as it
     is. Returns how many this call closed."""
     finals = {e.request_id: _row(e, None) for e in events}  # one row per request: a statement updates a row once
-    return await upsert_where(connection, OUTBOX, list(finals.values()), key="request_id",
-                              update=("payload", "lease_until"), only_if=STILL_OPEN)
+    return await upsert_where(
+        connection,
+        OUTBOX,
+        list(finals.values()),
+        key="request_id",
+        update=("payload", "lease_until"),
+        only_if=STILL_OPEN,
+    )

@@ -5,32 +5,41 @@ and a close that fails (the database is down) is kept in memory and retried unti
 Writes are group-committed: the opens and closes of all requests that started or ended within `batch_s` of each
 other go to the database in one transaction (one multi-row statement each), and while one batch is being written
 the next one gathers. A request that ends before its open was written is written once, by its close."""
+
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable
 
 from tokenfleet.metering.event import UsageEvent
 from tokenfleet.metering.log import log
 from tokenfleet.metering.outage import Outage, raise_if_cancelled
-from tokenfleet.metering.outbox import Outbox
+from tokenfleet.metering.outbox import Outbox, Reconcile
 from tokenfleet.store.models import utcnow
 
 Snapshot = Callable[[], UsageEvent]  # the request's event as of now (counts so far)
 
 
 class UsageRecorder:
-    def __init__(self, outbox: Outbox, lease_s: float = 30.0, checkpoint_s: float = 2.0,
-                 batch_s: float = 0.002) -> None:
+    def __init__(
+        self,
+        outbox: Outbox,
+        lease_s: float = 30.0,
+        checkpoint_s: float = 2.0,
+        batch_s: float = 0.002,
+        reconcile: Reconcile | None = None,
+    ) -> None:
         """`batch_s`: how long the first open or close waits for others to share its transaction. A transaction
         costs ~0.3 ms of gateway CPU however few rows it writes (bench/metering.py), and the wait also keeps the
-        open's write out of the few milliseconds in which the request's first token is relayed."""
+        open's write out of the few milliseconds in which the request's first token is relayed. `reconcile`: what a
+        dead gateway's request had generated past its last checkpoint (Outbox.reap)."""
         if not 0 < checkpoint_s < lease_s:
             raise ValueError("need 0 < checkpoint_s < lease_s (a lease must outlive the renewal interval)")
         if not 0 <= batch_s < checkpoint_s:
             raise ValueError("need 0 <= batch_s < checkpoint_s")
         self.outbox, self.lease_s, self.checkpoint_s, self.batch_s = outbox, lease_s, checkpoint_s, batch_s
+        self.reconcile = reconcile
         self.live: dict[str, Snapshot] = {}
         self.unsaved: dict[str, UsageEvent] = {}  # final events whose write failed, retried by `run`
         self._opens: dict[str, Snapshot] = {}  # requests whose open waits for the next batch
@@ -70,8 +79,12 @@ class UsageRecorder:
             raise_if_cancelled(e)
             if not isinstance(e, Exception):
                 raise
-            log.warning("usage outbox: could not write %d open(s) and %d close(s) (closes will be retried): %r",
-                        len(opens), len(closes), e)
+            log.warning(
+                "usage outbox: could not write %d open(s) and %d close(s) (closes will be retried): %r",
+                len(opens),
+                len(closes),
+                e,
+            )
 
     async def run(self) -> None:
         """Renews the leases of running requests, retries failed closes, and closes rows whose gateway died."""
@@ -89,7 +102,7 @@ class UsageRecorder:
     async def tick(self) -> None:
         await self.outbox.checkpoint([snapshot() for snapshot in list(self.live.values())], self._lease_until())
         await self._retry_unsaved()
-        reaped = await self.outbox.reap()
+        reaped = await self.outbox.reap(reconcile=self.reconcile)
         if reaped:
             log.warning("usage outbox: closed %d request(s) left open by a gateway that stopped", reaped)
 
@@ -108,8 +121,11 @@ class UsageRecorder:
         try:
             await self._retry_unsaved()
         except Exception as e:
-            log.error("usage outbox: %d final event(s) not saved at shutdown: %r (their rows close as failed later)",
-                      len(self.unsaved), e)
+            log.error(
+                "usage outbox: %d final event(s) not saved at shutdown: %r (their rows close as failed later)",
+                len(self.unsaved),
+                e,
+            )
 
     def _lease_until(self):
         return utcnow() + timedelta(seconds=self.lease_s)

@@ -3,14 +3,17 @@
 Each entry holds one event as JSON in its `event` field. Acked entries are deleted at once (one group reads this
 stream), so the stream holds only what is in flight; MAXLEN (approximate) is a backstop against a writer that is
 down for good, and must stay well above the backlog you expect, because trimming drops un-acked entries."""
+
 from __future__ import annotations
 
 import time
-from typing import Any, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from tokenfleet.metering.event import UsageEvent
@@ -21,8 +24,16 @@ RawEntry = tuple[Any, Any]  # (entry id, fields) as redis-py returns them
 
 
 class RedisStreamLog:
-    def __init__(self, redis: aioredis.Redis, stream_key: str = "tokenfleet:usage", group: str = "warehouse", *,
-                 maxlen: int = 1_000_000, claim_idle_ms: int = 30_000, delete_acked: bool = True) -> None:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        stream_key: str = "tokenfleet:usage",
+        group: str = "warehouse",
+        *,
+        maxlen: int = 1_000_000,
+        claim_idle_ms: int = 30_000,
+        delete_acked: bool = True,
+    ) -> None:
         """`redis`: a redis.asyncio client whose socket timeout is longer than the reads' block_ms."""
         if maxlen < 1 or claim_idle_ms < 1:
             raise ValueError("maxlen and claim_idle_ms must be positive")
@@ -35,11 +46,26 @@ class RedisStreamLog:
         self._claim_cursor, self._claim_at = "0-0", 0.0
 
     @classmethod
-    def from_url(cls, url: str, stream_key: str = "tokenfleet:usage", group: str = "warehouse", *,
-                 connect_timeout_s: float = 1.0, socket_timeout_s: float = 10.0, **options: Any) -> "RedisStreamLog":
-        """A log with its own client. No client-side retries: the shipper and the writer retry with backoff."""
-        client = aioredis.Redis.from_url(url, socket_connect_timeout=connect_timeout_s,
-                                         socket_timeout=socket_timeout_s, retry=Retry(NoBackoff(), 0))
+    def from_url(
+        cls,
+        url: str,
+        stream_key: str = "tokenfleet:usage",
+        group: str = "warehouse",
+        *,
+        connect_timeout_s: float = 1.0,
+        socket_timeout_s: float = 10.0,
+        **options: Any,
+    ) -> RedisStreamLog:
+        """A log with its own client. One client-side retry, at once, on a connection error: a pooled connection
+        that a restarted Redis closed reconnects (a repeat is harmless: consumers are idempotent); beyond that the
+        shipper and the writer retry with backoff."""
+        client = aioredis.Redis.from_url(
+            url,
+            socket_connect_timeout=connect_timeout_s,
+            socket_timeout=socket_timeout_s,
+            retry=Retry(NoBackoff(), 1),
+            retry_on_error=[RedisConnectionError],
+        )
         stream_log = cls(client, stream_key, group, **options)
         stream_log._owns_client = True
         return stream_log
@@ -120,13 +146,18 @@ class RedisStreamLog:
         now = time.monotonic()
         if now < self._claim_at:
             return []
-        reply = await self.redis.xautoclaim(self.stream_key, self.group, consumer, self.claim_idle_ms,
-                                            start_id=self._claim_cursor, count=count)
+        reply = await self.redis.xautoclaim(
+            self.stream_key, self.group, consumer, self.claim_idle_ms, start_id=self._claim_cursor, count=count
+        )
         self._claim_cursor = _text(reply[0])
         raw = [(entry_id, fields) for entry_id, fields in reply[1] if entry_id is not None]
         if len(reply) > 2 and reply[2]:
-            log.error("usage log %s: %d un-acked entries were trimmed (MAXLEN) before a writer acked them; "
-                      "Outbox.resend_unwritten() can recover them", self.stream_key, len(reply[2]))
+            log.error(
+                "usage log %s: %d un-acked entries were trimmed (MAXLEN) before a writer acked them; "
+                "Outbox.resend_unwritten() can recover them",
+                self.stream_key,
+                len(reply[2]),
+            )
         if self._claim_cursor == "0-0" and not raw:
             self._claim_at = now + self.claim_idle_ms / 2000
         return raw

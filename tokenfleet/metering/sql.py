@@ -1,9 +1,11 @@
 """INSERT ... ON CONFLICT for SQLite and PostgreSQL: how every metering write stays idempotent. Each statement is
 built once per table and dialect, rows passed as parameters, so SQLAlchemy compiles it once and then reuses it."""
+
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import Any, Sequence
+from collections.abc import Sequence
+from functools import cache
+from typing import Any
 
 from sqlalchemy import ColumnElement, Insert, Table
 from sqlalchemy.dialects import postgresql, sqlite
@@ -20,8 +22,14 @@ async def insert_ignoring(session: Executor, table: Table, rows: Sequence[dict[s
     return await _execute_rows(session, _insert_ignoring(_dialect(session), table, key), rows)
 
 
-async def upsert_where(session: Executor, table: Table, rows: Sequence[dict[str, Any]], key: str,
-                       update: tuple[str, ...], only_if: ColumnElement[bool]) -> int:
+async def upsert_where(
+    session: Executor,
+    table: Table,
+    rows: Sequence[dict[str, Any]],
+    key: str,
+    update: tuple[str, ...],
+    only_if: ColumnElement[bool],
+) -> int:
     """Inserts the rows whose `key` is new; a row whose `key` exists gets the `update` columns of the new row where
     `only_if` holds of the existing one, and is left alone where it does not. Returns how many were inserted or
     updated. `only_if` must be built once (a module constant): it is part of the cached statement's key."""
@@ -33,7 +41,7 @@ async def _execute_rows(session: Executor, statement: Insert, rows: Sequence[dic
     does not. The rows' keys must be distinct (PostgreSQL refuses to update one row twice in a statement)."""
     written = 0
     for start in range(0, len(rows), CHUNK_ROWS):
-        result = await session.execute(statement, list(rows[start:start + CHUNK_ROWS]))
+        result = await session.execute(statement, list(rows[start : start + CHUNK_ROWS]))
         written += len(result.all())
     return written
 
@@ -50,15 +58,16 @@ def _insert(dialect: str, table: Table):
     return insert(table)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _insert_ignoring(dialect: str, table: Table, key: str) -> Insert:
     """(Rows built into the statement with .values() were compiled again on every call: ~0.2 ms of CPU per row.)"""
     return _insert(dialect, table).on_conflict_do_nothing(index_elements=[key]).returning(table.c[key])
 
 
-@lru_cache(maxsize=None)
-def _upsert_where(dialect: str, table: Table, key: str, update: tuple[str, ...],
-                  only_if: ColumnElement[bool]) -> Insert:
+@cache
+def _upsert_where(
+    dialect: str, table: Table, key: str, update: tuple[str, ...], only_if: ColumnElement[bool]
+) -> Insert:
     insert = _insert(dialect, table)
     values = {column: insert.excluded[column] for column in update}
     return insert.on_conflict_do_update(index_elements=[key], set_=values, where=only_if).returning(table.c[key])

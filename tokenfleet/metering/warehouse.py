@@ -1,11 +1,13 @@
 """The warehouse writer: usage events from the log into `usage_events`, one row per request exactly once."""
+
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
 from tokenfleet.metering.event import UsageEvent
-from tokenfleet.metering.log import Entry, EventLog, log as logger
+from tokenfleet.metering.log import Entry, EventLog
+from tokenfleet.metering.log import log as logger
 from tokenfleet.metering.outage import Outage, raise_if_cancelled
 from tokenfleet.metering.sql import insert_ignoring
 from tokenfleet.store.db import Database
@@ -29,8 +31,15 @@ class WarehouseWriter:
     a writer that died are claimed by another after the log's claim_idle_ms (or at once by a writer started again
     under the same consumer name, on Redis)."""
 
-    def __init__(self, db: Database, log: EventLog, consumer_name: str, batch: int = 500, block_ms: int = 1000,
-                 max_backoff_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        db: Database,
+        log: EventLog,
+        consumer_name: str,
+        batch: int = 500,
+        block_ms: int = 1000,
+        max_backoff_s: float = 30.0,
+    ) -> None:
         if not consumer_name or batch < 1 or block_ms < 0:
             raise ValueError("need a consumer_name, batch >= 1 and block_ms >= 0")
         self.db, self.log, self.consumer_name = db, log, consumer_name
@@ -50,8 +59,9 @@ class WarehouseWriter:
             return 0
         events = {event.request_id: event for _, event in self._held}  # a batch may hold one event twice
         async with self.db.session() as session, session.begin():
-            added = await insert_ignoring(session, WAREHOUSE, [warehouse_row(e) for e in events.values()],
-                                          key="request_id")
+            added = await insert_ignoring(
+                session, WAREHOUSE, [warehouse_row(e) for e in events.values()], key="request_id"
+            )
         self.written += added
         self.duplicates += len(self._held) - added
         await self.log.ack([entry_id for entry_id, _ in self._held])

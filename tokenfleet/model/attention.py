@@ -7,13 +7,20 @@ tables, and each prefill chunk attends over its own context.
 One layer's cache is [2, kv_heads, num_blocks, block_size * head_dim]. Inside a block, values are stored
 [block_size, head_dim] and keys transposed, [head_dim, block_size], so that the scores of a whole block of
 tokens are one vector multiply-add per head dimension in the CPU kernel.
+
+An 8-bit cache (see kv_quant.py) stores keys and values quantized when they are written; attention reads them
+dequantized, including a chunk's own new tokens, so a sequence sees the same keys and values whether they were
+computed in this step, an earlier chunk, or found in the prefix cache.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from tokenfleet.model.kv_quant import KVScales, as_bytes, dequantize, is_fp8, quantize
 
 
 @dataclass
@@ -53,14 +60,15 @@ class PagedAttention(torch.nn.Module):
         self.decode_kernel = decode_kernel  # a fused paged decode op, or None for the PyTorch path
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
+        self.kv_scales = KVScales()  # this layer's, set by the runner; used by an 8-bit cache only
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, KVH, blocks, block_size * D]. Returns [T, H*D]."""
         k_blocks, v_blocks = self._blocks(kv_cache, meta.block_size)
-        k_blocks[:, meta.slot_blocks, :, meta.slot_offsets] = k  # indexed dims first: [T, KVH, D]
-        v_blocks[:, meta.slot_blocks, meta.slot_offsets] = v.transpose(0, 1)
+        k, v = self._store(k, v, k_blocks, v_blocks, meta)
         out = torch.empty_like(q)
         for group in meta.decodes:
             rows = slice(group.start, group.start + group.size)
@@ -70,6 +78,23 @@ class PagedAttention(torch.nn.Module):
             out[rows] = self._prefill(q[rows], k[rows], v[rows], k_blocks, v_blocks, chunk)
         return out.view(q.shape[0], -1)
 
+    def _store(
+        self, k: torch.Tensor, v: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes the step's keys and values into their slots; returns them as the cache will give them back."""
+        stored_k, stored_v = k, v
+        if is_fp8(k_blocks.dtype):
+            scales, fmt = self.kv_scales, k_blocks.dtype
+            stored_k, stored_v = quantize(k, scales.k, fmt), quantize(v, scales.v, fmt)
+            k, v = dequantize(stored_k, scales.k, k.dtype), dequantize(stored_v, scales.v, v.dtype)
+        as_bytes(k_blocks)[:, meta.slot_blocks, :, meta.slot_offsets] = as_bytes(stored_k)  # indexed dims first
+        as_bytes(v_blocks)[:, meta.slot_blocks, meta.slot_offsets] = as_bytes(stored_v).transpose(0, 1)
+        return k, v
+
+    def _load(self, stored: torch.Tensor, cache: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        """Entries read from `cache` (through as_bytes) in the model's dtype."""
+        return dequantize(stored.view(cache.dtype), scale, dtype) if is_fp8(cache.dtype) else stored
+
     def _blocks(self, kv_cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the cache as [KVH, blocks, D, block_size] keys and [KVH, blocks, block_size, D] values."""
         kvh, d = self.num_kv_heads, self.head_dim
@@ -77,28 +102,55 @@ class PagedAttention(torch.nn.Module):
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup, block_size: int) -> torch.Tensor:
         if group.mask is None:
-            return self.decode_kernel(q.contiguous(), kv_cache[0], kv_cache[1], group.block_tables,
-                                      group.context_lens, block_size, self.scale)
+            return self.decode_kernel(
+                q.contiguous(),
+                kv_cache[0],
+                kv_cache[1],
+                group.block_tables,
+                group.context_lens,
+                block_size,
+                self.scale,
+                self.kv_scales.k,
+                self.kv_scales.v,
+            )
         n, width = group.block_tables.shape
         kvh, d = self.num_kv_heads, self.head_dim
         index = group.block_tables.flatten()
-        keys_t = kv_cache[0].index_select(1, index).view(kvh, n, width, d, block_size)
+        keys_t = self._gather(kv_cache[0], index, self.kv_scales.k, q.dtype).view(kvh, n, width, d, block_size)
         keys_t = keys_t.permute(0, 1, 3, 2, 4).reshape(kvh, n, d, width * block_size)  # K^T of each context
-        values = kv_cache[1].index_select(1, index).view(kvh, n, width * block_size, d)
+        values = self._gather(kv_cache[1], index, self.kv_scales.v, q.dtype).view(kvh, n, width * block_size, d)
         queries = q.view(n, kvh, self.group, d).transpose(0, 1)  # [KVH, n, G, D]
         scores = torch.matmul(queries, keys_t).mul_(self.scale).add_(group.mask)
         out = torch.matmul(scores.softmax(dim=-1), values)  # [KVH, n, G, D]
         return out.transpose(0, 1).reshape(n, self.num_heads, d)
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_blocks: torch.Tensor,
-                 v_blocks: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
+    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        """The given blocks of one half of a layer's cache (an 8-bit cache dequantizes only these)."""
+        return self._load(as_bytes(cache).index_select(1, blocks), cache, scale, dtype)
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_blocks: torch.Tensor,
+        v_blocks: torch.Tensor,
+        chunk: PrefillChunk,
+    ) -> torch.Tensor:
         if chunk.context is None:
             keys, values = k.transpose(0, 1), v.transpose(0, 1)
         else:
             blocks, offsets = chunk.context
-            keys = k_blocks[:, blocks, :, offsets].transpose(0, 1)  # [KVH, context, D]
-            values = v_blocks[:, blocks, offsets]
+            keys = self._load(as_bytes(k_blocks)[:, blocks, :, offsets], k_blocks, self.kv_scales.k, q.dtype)
+            keys = keys.transpose(0, 1)  # [KVH, context, D]
+            values = self._load(as_bytes(v_blocks)[:, blocks, offsets], v_blocks, self.kv_scales.v, q.dtype)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-            attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=self.scale, enable_gqa=True)
+            q.transpose(0, 1).unsqueeze(0),
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            scale=self.scale,
+            enable_gqa=True,
+        )
         return out.squeeze(0).transpose(0, 1)

@@ -1,4 +1,5 @@
 """The model's shape, read from a Hugging Face `config.json`."""
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,14 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 DTYPE_NAMES = {  # what config.json and --dtype may say -> the torch dtype's name
-    "float32": "float32", "float": "float32", "fp32": "float32",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float16": "float16", "half": "float16", "fp16": "float16",
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
 }
 
 
@@ -39,7 +45,6 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 @dataclass
 class ModelConfig:
-    architecture: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -61,7 +66,7 @@ class ModelConfig:
     eos_token_ids: list[int]
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_dir(cls, path: str | Path) -> ModelConfig:
         config_path = Path(path) / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"no config.json in checkpoint folder {path}")
@@ -72,16 +77,16 @@ class ModelConfig:
         return cls.from_dict(raw)
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "ModelConfig":
+    def from_dict(cls, raw: dict) -> ModelConfig:
         arch = (raw.get("architectures") or ["?"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
-                f"unsupported architecture {arch!r}; tokenfleet runs {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+                f"unsupported architecture {arch!r}; tokenfleet runs {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
         family = SUPPORTED_ARCHITECTURES[arch]
         num_heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
         return cls(
-            architecture=arch,
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],

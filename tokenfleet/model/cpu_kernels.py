@@ -3,6 +3,7 @@
 Set TOKENFLEET_CPU_KERNELS=0 to use the pure-PyTorch path instead; if compiling fails (no compiler, no ninja)
 the engine logs why and falls back to that path too.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -30,9 +31,12 @@ def paged_decode_attention_op():
         from torch.utils.cpp_extension import load_inline
 
         module = load_inline(
-            name="tokenfleet_cpu_kernels", cpp_sources=[SOURCE.read_text()], functions=["paged_decode_attention"],
+            name="tokenfleet_cpu_kernels",
+            cpp_sources=[SOURCE.read_text()],  # the source binds its functions
             # fast-math lets GCC use vectorized expf in the softmax; the kernel only sees finite values
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], verbose=False)
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+            verbose=False,
+        )
     except Exception as e:  # a missing compiler must not stop the engine
         log.warning("CPU attention kernel unavailable, using the PyTorch path: %s", e)
         return None

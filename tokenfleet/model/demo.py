@@ -5,6 +5,7 @@ built locally: the byte-level BPE tokenizer is trained on the English documentat
 (`pydoc_data.topics`) and the weights come from a seeded torch generator, so the same size and seed always give
 byte-identical files.
 """
+
 from __future__ import annotations
 
 import json
@@ -106,14 +107,16 @@ def train_tokenizer(vocab_size: int = 4096) -> BackendTokenizer:
         show_progress=False,
     )
     tokenizer.train_from_iterator(training_corpus(), trainer=trainer)
-    tokenizer.post_processor = processors.Sequence([
-        processors.ByteLevel(trim_offsets=False),
-        processors.TemplateProcessing(
-            single=f"{BOS_TOKEN} $A",
-            pair=f"{BOS_TOKEN} $A {BOS_TOKEN}:1 $B:1",
-            special_tokens=[(BOS_TOKEN, tokenizer.token_to_id(BOS_TOKEN))],
-        ),
-    ])
+    tokenizer.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single=f"{BOS_TOKEN} $A",
+                pair=f"{BOS_TOKEN} $A {BOS_TOKEN}:1 $B:1",
+                special_tokens=[(BOS_TOKEN, tokenizer.token_to_id(BOS_TOKEN))],
+            ),
+        ]
+    )
     return tokenizer
 
 
@@ -124,8 +127,14 @@ def _token_ids() -> dict[str, int]:
 def tokenizer_config() -> dict[str, Any]:
     ids = _token_ids()
     added = {
-        str(ids[token]): {"content": token, "lstrip": False, "normalized": False, "rstrip": False,
-                          "single_word": False, "special": True}
+        str(ids[token]): {
+            "content": token,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
         for token in SPECIAL_TOKENS
     }
     return {
@@ -180,17 +189,19 @@ def weight_shapes(spec: DemoSize, vocab_size: int) -> dict[str, tuple[int, ...]]
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab_size, hidden)}
     for layer in range(spec.num_layers):
         prefix = f"model.layers.{layer}"
-        shapes.update({
-            f"{prefix}.input_layernorm.weight": (hidden,),
-            f"{prefix}.self_attn.q_proj.weight": (spec.num_heads * spec.head_dim, hidden),
-            f"{prefix}.self_attn.k_proj.weight": (kv_dim, hidden),
-            f"{prefix}.self_attn.v_proj.weight": (kv_dim, hidden),
-            f"{prefix}.self_attn.o_proj.weight": (hidden, spec.num_heads * spec.head_dim),
-            f"{prefix}.post_attention_layernorm.weight": (hidden,),
-            f"{prefix}.mlp.gate_proj.weight": (spec.intermediate_size, hidden),
-            f"{prefix}.mlp.up_proj.weight": (spec.intermediate_size, hidden),
-            f"{prefix}.mlp.down_proj.weight": (hidden, spec.intermediate_size),
-        })
+        shapes.update(
+            {
+                f"{prefix}.input_layernorm.weight": (hidden,),
+                f"{prefix}.self_attn.q_proj.weight": (spec.num_heads * spec.head_dim, hidden),
+                f"{prefix}.self_attn.k_proj.weight": (kv_dim, hidden),
+                f"{prefix}.self_attn.v_proj.weight": (kv_dim, hidden),
+                f"{prefix}.self_attn.o_proj.weight": (hidden, spec.num_heads * spec.head_dim),
+                f"{prefix}.post_attention_layernorm.weight": (hidden,),
+                f"{prefix}.mlp.gate_proj.weight": (spec.intermediate_size, hidden),
+                f"{prefix}.mlp.up_proj.weight": (spec.intermediate_size, hidden),
+                f"{prefix}.mlp.down_proj.weight": (hidden, spec.intermediate_size),
+            }
+        )
     shapes["model.norm.weight"] = (hidden,)
     shapes["lm_head.weight"] = (vocab_size, hidden)
     return shapes

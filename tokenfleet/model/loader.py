@@ -1,4 +1,5 @@
 """Loads a Hugging Face checkpoint folder (config.json + *.safetensors, sharded or not) into our model."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,12 @@ _FUSED = {
 }
 
 
-def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-               max_positions: int | None = None) -> LlamaForCausalLM:
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    max_positions: int | None = None,
+) -> LlamaForCausalLM:
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model folder {path} does not exist")
@@ -109,7 +114,7 @@ def _fused_slice(model: LlamaForCausalLM, name: str, data: torch.Tensor, part: i
     else:
         sizes = [config.intermediate_size] * 2
     start = sum(sizes[:part])
-    return data[start:start + sizes[part]]
+    return data[start : start + sizes[part]]
 
 
 def _check_complete(model: LlamaForCausalLM, loaded: set[str]) -> None:
@@ -119,8 +124,10 @@ def _check_complete(model: LlamaForCausalLM, loaded: set[str]) -> None:
         wanted = [f"{name}#{i}" for i in range(parts)] if parts else [name]
         missing += [_checkpoint_name(w) for w in wanted if w not in loaded]
     if missing:
-        raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
-                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+        raise ValueError(
+            f"checkpoint is missing weights for: {', '.join(missing[:8])}"
+            + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        )
 
 
 def _checkpoint_name(ours: str) -> str:

@@ -1,4 +1,5 @@
 """Rotary position embeddings (default, linear and llama3 scaling), as a cos/sin table indexed by position."""
+
 from __future__ import annotations
 
 import math

@@ -3,6 +3,7 @@
 Also holds the per-request streaming helpers: `IncrementalDetokenizer` (token ids -> text deltas that never split a
 character) and `StopStringMatcher` (stop strings matched across token boundaries, OpenAI semantics).
 """
+
 from __future__ import annotations
 
 import functools
@@ -134,8 +135,13 @@ def compile_chat_template(source: str) -> jinja2.Template:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    def tojson(
+        value: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: tuple[str, str] | None = None,
+        sort_keys: bool = False,
+    ) -> str:
         # Jinja's own tojson HTML-escapes and ignores these options; templates rely on plain json.dumps output.
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -232,7 +238,9 @@ class Tokenizer:
     # ---- encode / decode ------------------------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, unlike encode, releases the GIL: a long text encoded on a worker thread then leaves the
+        # event loop running
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # transformers skips clean_up_tokenization_spaces for BPE models, and it never fits streaming anyway.
@@ -264,9 +272,15 @@ class Tokenizer:
             "chat_template.json); use a plain completion prompt or supply a template"
         )
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None, documents: list[dict[str, Any]] | None = None,
-                            chat_template: str | None = None, **extra: Any) -> str:
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        **extra: Any,
+    ) -> str:
         """Render `messages` to the prompt string; `extra` variables (e.g. enable_thinking) go to the template.
 
         `chat_template` may name one of the checkpoint's templates or be Jinja source itself.
@@ -311,7 +325,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.output_ids: list[int] = []
-        self._window: list[int] = list(prompt_ids[-self.CONTEXT_TOKENS:]) if self.CONTEXT_TOKENS else []
+        self._window: list[int] = list(prompt_ids[-self.CONTEXT_TOKENS :]) if self.CONTEXT_TOKENS else []
         self._done = len(self._decode(self._window))  # chars of the window's text already emitted (or prompt)
         self._pending = 0  # window tokens after the last point where the text was complete
 
@@ -330,7 +344,7 @@ class IncrementalDetokenizer:
         if held and self._pending > self.MAX_PENDING_TOKENS:
             held = 1  # lossy UTF-8 decoding: only the very last U+FFFD can still turn into a character
         end = len(text) - held
-        delta = text[self._done:end] if end > self._done else ""
+        delta = text[self._done : end] if end > self._done else ""
         self._done = max(self._done, end)
         if not held or self._pending > self.MAX_PENDING_TOKENS:
             self._slide(text, held)
@@ -340,14 +354,14 @@ class IncrementalDetokenizer:
         """Everything but `held` trailing characters is emitted: keep only a few tokens of context."""
         self._pending = 0
         if len(self._window) > self.CONTEXT_TOKENS:
-            self._window = self._window[-self.CONTEXT_TOKENS:]
+            self._window = self._window[-self.CONTEXT_TOKENS :]
             text = self._decode(self._window)
         self._done = len(text) - held
 
     def flush(self) -> str:
         """The request finished: return any held-back text (an unfinished character becomes U+FFFD, like decode)."""
         text = self._decode(self._window)
-        delta = text[self._done:]
+        delta = text[self._done :]
         self._slide(text, 0)
         return delta
 
@@ -361,8 +375,9 @@ class StopStringMatcher:
     another reason. Feed token ids with `add` (needs a detokenizer) or text with `feed`.
     """
 
-    def __init__(self, stop: Sequence[str] | str | None = None,
-                 detokenizer: IncrementalDetokenizer | None = None) -> None:
+    def __init__(
+        self, stop: Sequence[str] | str | None = None, detokenizer: IncrementalDetokenizer | None = None
+    ) -> None:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         self.stop = [s for s in stops if s]
         self.detokenizer = detokenizer
@@ -370,8 +385,13 @@ class StopStringMatcher:
         self._held = ""
 
     @classmethod
-    def for_request(cls, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] | str | None = None,
-                    skip_special_tokens: bool = True) -> StopStringMatcher:
+    def for_request(
+        cls,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int],
+        stop: Sequence[str] | str | None = None,
+        skip_special_tokens: bool = True,
+    ) -> StopStringMatcher:
         return cls(stop, IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens))
 
     def add(self, token_ids: Sequence[int]) -> tuple[str, str | None]:
@@ -393,8 +413,8 @@ class StopStringMatcher:
             self._held = ""
             return buffer[:index], self.matched
         keep = self._partial_stop_length(buffer)
-        self._held = buffer[len(buffer) - keep:] if keep else ""
-        return buffer[:len(buffer) - keep], None
+        self._held = buffer[len(buffer) - keep :] if keep else ""
+        return buffer[: len(buffer) - keep], None
 
     def _find_stop(self, buffer: str) -> tuple[int, str] | None:
         """The stop string that a token-by-token reader would see complete first: earliest end, then longest."""

@@ -1,8 +1,10 @@
 """The quota service's interface and records: scopes, reservations, decisions, and the errors a gateway sees."""
+
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol, Sequence
+from typing import Protocol
 
 from tokenfleet.quota.limits import Limits
 
@@ -24,6 +26,12 @@ class Scope:
             raise ValueError(f"tenant must be a non-empty string without braces, got {self.tenant!r}")
         if not isinstance(self.limits, Limits):
             raise ValueError(f"limits must be a Limits, got {type(self.limits).__name__}")
+
+
+def scopes_for(org: str, user: str, org_limits: Limits, user_limits: Limits) -> tuple[Scope, Scope]:
+    """A request's two quota scopes, its organisation's and its user's: the one place their names are made (the
+    gateway for a caller, the simulator for a simulated tenant)."""
+    return Scope(f"org:{org}", org, org_limits), Scope(f"user:{org}/{user}", org, user_limits)
 
 
 @dataclass(frozen=True)
@@ -65,13 +73,17 @@ class QuotaStoreError(ConnectionError):
 
 
 class QuotaService(Protocol):
-    async def reserve(self, request_id: str, scopes: Sequence[Scope], tokens: int,
-                      tier: str = "default") -> Decision:
+    async def reserve(self, request_id: str, scopes: Sequence[Scope], tokens: int, tier: str = "default") -> Decision:
         """Reserves one request and `tokens` tokens in every scope, or nothing at all."""
 
     async def reconcile(self, reservation: Reservation, used_tokens: int) -> None:
         """Settles a finished, cancelled or failed request: refunds or charges the difference, frees its slot.
         Idempotent per request id."""
+
+    async def extend(self, reservation: Reservation, at_least: int, at_most: int) -> Reservation | None:
+        """Reserves more tokens for a running request: as many as every scope's daily budget and tokens-per-minute
+        bucket allow, up to `at_most`, or nothing when that is under `at_least`. Returns the grown reservation, or
+        None (refused, or already reconciled). Only tokens: its request and concurrency slot stay as they are."""
 
     async def close(self) -> None: ...
 
@@ -93,6 +105,14 @@ def check_reserve(request_id: str, scopes: Sequence[Scope], tokens: int) -> tupl
         raise ValueError("a scope appears twice in one request")
     check_tokens(tokens, "tokens")
     return scopes
+
+
+def check_extend(reservation: Reservation, at_least: int, at_most: int) -> None:
+    check_reservation(reservation, 0)
+    check_tokens(at_least, "at_least")
+    check_tokens(at_most, "at_most")
+    if not 1 <= at_least <= at_most:
+        raise ValueError(f"an extension needs 1 <= at_least <= at_most, got {at_least} and {at_most}")
 
 
 def check_tokens(value: int, what: str) -> None:

@@ -3,16 +3,26 @@ decided by a local in-memory limiter with the same limits, "closed" raises Quota
 503). A circuit breaker skips the store for `breaker_s` after a failure instead of paying a timeout per request,
 then lets one request probe it. Reconciles go to the backend holding the reservation; one for the store that
 cannot be delivered waits in a pending list and is retried until the store is back (never dropped)."""
+
 from __future__ import annotations
 
 import asyncio
 import collections
 import logging
 import time
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
-from tokenfleet.quota.base import (Decision, QuotaService, QuotaStoreError, QuotaUnavailable, Reservation, Scope,
-                                   check_reservation, check_reserve)
+from tokenfleet.quota.base import (
+    Decision,
+    QuotaService,
+    QuotaStoreError,
+    QuotaUnavailable,
+    Reservation,
+    Scope,
+    check_extend,
+    check_reservation,
+    check_reserve,
+)
 
 log = logging.getLogger("tokenfleet.quota")
 POLICIES = ("open", "closed")
@@ -24,8 +34,15 @@ RETRY_PAUSE_S = 0.1  # the least time between two attempts to deliver pending re
 class FailoverQuota:
     name = "failover"
 
-    def __init__(self, primary: QuotaService, fallback: QuotaService, policy: Mapping[str, str], *,
-                 breaker_s: float = 1.0, default_policy: str = "open") -> None:
+    def __init__(
+        self,
+        primary: QuotaService,
+        fallback: QuotaService,
+        policy: Mapping[str, str],
+        *,
+        breaker_s: float = 1.0,
+        default_policy: str = "open",
+    ) -> None:
         for tier, value in {**policy, "(default)": default_policy}.items():
             if value not in POLICIES:
                 raise ValueError(f"quota outage policy of tier {tier} must be open or closed, got {value!r}")
@@ -41,7 +58,7 @@ class FailoverQuota:
         self._pending: collections.deque[tuple[Reservation, int]] = collections.deque()
         self._down_until: float | None = None  # None: the store is healthy
         self._probing = False
-        self._retry_task: asyncio.Task | None = None
+        self._retry_task: asyncio.Task[None] | None = None
         self._flushing = asyncio.Lock()  # one flusher at a time, or two would deliver one entry and drop another
 
     @property
@@ -52,8 +69,7 @@ class FailoverQuota:
     def in_outage(self) -> bool:
         return self._down_until is not None
 
-    async def reserve(self, request_id: str, scopes: Sequence[Scope], tokens: int,
-                      tier: str = "default") -> Decision:
+    async def reserve(self, request_id: str, scopes: Sequence[Scope], tokens: int, tier: str = "default") -> Decision:
         check_reserve(request_id, scopes, tokens)
         error: Exception | None = None
         probe = self._may_call_primary()
@@ -92,6 +108,26 @@ class FailoverQuota:
                     self._probing = False
         self._pending.append((reservation, used_tokens))
         self._ensure_retry()
+
+    async def extend(self, reservation: Reservation, at_least: int, at_most: int) -> Reservation | None:
+        """From the backend holding the reservation; QuotaUnavailable while that is the store and it is down (the
+        caller lets the request go on: its reconcile charges what it used)."""
+        check_extend(reservation, at_least, at_most)
+        if reservation.backend == getattr(self.fallback, "name", None):
+            return await self.fallback.extend(reservation, at_least, at_most)
+        probe = self._may_call_primary()
+        if probe is None:
+            raise QuotaUnavailable("quota store unavailable: cannot extend a reservation now")
+        try:
+            extended = await self.primary.extend(reservation, at_least, at_most)
+        except UNREACHABLE as e:
+            self._failed(e)
+            raise QuotaUnavailable("quota store unavailable: cannot extend a reservation now") from e
+        finally:
+            if probe:
+                self._probing = False
+        self._healthy()
+        return extended
 
     async def flush_pending(self) -> int:
         """Delivers pending reconciles in order until one fails; returns how many were delivered."""
@@ -134,8 +170,10 @@ class FailoverQuota:
     def _failed(self, error: Exception) -> None:
         if self._down_until is None:
             self.outages += 1
-            log.warning("quota store unreachable (%s); open tiers use the local limiter, closed tiers get 503 "
-                        "until it is back", error)
+            log.warning(
+                "quota store unreachable (%s); open tiers use the local limiter, closed tiers get 503 until it is back",
+                error,
+            )
         self._down_until = time.monotonic() + self.breaker_s
 
     def _healthy(self) -> None:
@@ -151,6 +189,8 @@ class FailoverQuota:
 
     async def _retry_pending(self) -> None:
         task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("the quota failover's retry loop must run as an asyncio task")
         while self._pending and not task.cancelling():
             if self._down_until is not None:
                 await asyncio.sleep(max(0.0, self._down_until - time.monotonic()) + 0.01)

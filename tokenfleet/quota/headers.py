@@ -1,5 +1,6 @@
 """OpenAI's rate-limit headers: x-ratelimit-{limit,remaining,reset}-{requests,tokens} for the tightest scope, and
 retry-after / retry-after-ms on a refusal."""
+
 from __future__ import annotations
 
 import math
@@ -49,8 +50,9 @@ def tightest(views: list[BucketView]) -> BucketView | None:
     return min(views, key=lambda v: (v.remaining, -v.reset_s), default=None)
 
 
-def ratelimit_headers(requests: list[BucketView], tokens: list[BucketView],
-                      retry_after_s: float | None = None) -> dict[str, str]:
+def ratelimit_headers(
+    requests: list[BucketView], tokens: list[BucketView], retry_after_s: float | None = None
+) -> dict[str, str]:
     headers: dict[str, str] = {}
     for kind, views in (("requests", requests), ("tokens", tokens)):
         view = tightest(views)

@@ -1,7 +1,10 @@
 """What a tenant may use: the four quota dimensions, per user and per organisation."""
+
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 MAX_LIMIT = 10**12  # anything larger is a typo, not a limit
 
@@ -25,15 +28,16 @@ class Limits:
             if not 0 <= value <= MAX_LIMIT:
                 raise ValueError(f"{f.name} must be between 0 and {MAX_LIMIT}, got {value}")
 
-    def override(self, other: "Limits | None") -> "Limits":
+    def override(self, other: Limits | None) -> Limits:
         """These limits with every dimension `other` sets replaced (tier defaults ← per-tenant overrides)."""
         if other is None:
             return self
-        return replace(self, **{f.name: getattr(other, f.name) for f in fields(other)
-                                if getattr(other, f.name) is not None})
+        return replace(
+            self, **{f.name: getattr(other, f.name) for f in fields(other) if getattr(other, f.name) is not None}
+        )
 
     @classmethod
-    def from_dict(cls, raw: dict | None, where: str) -> "Limits":
+    def from_dict(cls, raw: Mapping[str, Any] | None, where: str) -> Limits:
         raw = raw or {}
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)

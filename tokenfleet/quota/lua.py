@@ -13,6 +13,7 @@ Limits travel as one argument per scope, "rpm tpm conc tpd" (-1: unlimited); the
 explains a refusal from the same values. (One string instead of an array: the pure-Python reply parser costs more
 per element than the script does.)
 """
+
 from __future__ import annotations
 
 # Calling TIME before writing needs effects replication: the default since Redis 5.
@@ -82,7 +83,9 @@ end
 # KEYS: per scope its hash and its lease zset; then the share hash when sliced.
 # ARGV: request_id, tokens, lease_s, n_scopes, initial share (0: not sliced), then per scope "rpm tpm conc tpd".
 # Returns "allowed now day share" then per scope "requests tokens live used" as seen before charging.
-RESERVE = PRELUDE + r"""
+RESERVE = (
+    PRELUDE
+    + r"""
 local request_id, tokens, lease = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local n, s0 = tonumber(ARGV[4]), tonumber(ARGV[5])
 local now = clock()
@@ -129,11 +132,14 @@ for i = 1, n do
 end
 return table.concat(out, ' ')
 """
+)
 
 # KEYS: per scope its hash and its lease zset; then the request's "reconciled" marker; then the share hash when
 # sliced. ARGV: request_id, extra (used - reserved: < 0 refunds), day number charged, n_scopes, marker ttl s,
 # initial share, then per scope "rpm tpm conc tpd". Returns 1, or 0 when this request was reconciled before.
-RECONCILE = PRELUDE + r"""
+RECONCILE = (
+    PRELUDE
+    + r"""
 local n = tonumber(ARGV[4])
 if not redis.call('SET', KEYS[2 * n + 1], '1', 'NX', 'EX', ARGV[5]) then return 0 end
 local now, s0, extra, charged_day = clock(), tonumber(ARGV[6]), tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -153,10 +159,52 @@ for i = 1, n do
 end
 return 1
 """
+)
+
+# More tokens for a running request. KEYS: per scope its hash; then the request's "reconciled" marker; then the share
+# hash when sliced. ARGV: at_least, at_most, day number charged, n_scopes, initial share, then per scope
+# "rpm tpm conc tpd". Grants what every scope's tokens bucket and (on the day the request was charged) daily budget
+# hold, up to at_most; nothing when that is under at_least or the request was reconciled. Returns the grant.
+EXTEND = (
+    PRELUDE
+    + r"""
+local least, most, charged_day = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local n, s0 = tonumber(ARGV[4]), tonumber(ARGV[5])
+if redis.call('EXISTS', KEYS[n + 1]) == 1 then return 0 end
+local now = clock()
+local day = math.floor(now / DAY)
+local share_key = nil
+if s0 > 0 then share_key = KEYS[n + 2] end
+local s, a = share_of(share_key, now, s0, true)
+local grant, lims, states = most, {}, {}
+for i = 1, n do
+  local lim = limits_of(ARGV[5 + i])
+  local st = read_scope(KEYS[i], lim, s, a, day)
+  if lim[2] >= 0 then grant = math.min(grant, math.floor(st[2])) end
+  if lim[4] >= 0 and charged_day == day then grant = math.min(grant, lim[4] - st[3]) end
+  lims[i], states[i] = lim, st
+end
+if grant < least then return 0 end
+for i = 1, n do
+  local lim, st = lims[i], states[i]
+  local daily = lim[4] > 0 and charged_day == day
+  if lim[2] > 0 then st[2] = st[2] - grant end
+  if daily then st[3] = st[3] + grant end
+  if lim[2] > 0 or daily then write_scope(KEYS[i], lim, st, s, a, now, day) end
+end
+if share_key then
+  redis.call('HINCRBY', share_key, 'demand', grant)
+  redis.call('EXPIRE', share_key, 2 * DAY)
+end
+return grant
+"""
+)
 
 # Read only. KEYS: the scope's hash, its zset[, the share hash]. ARGV: "rpm tpm conc tpd", initial share.
 # Returns "share requests tokens live used".
-INSPECT = PRELUDE + r"""
+INSPECT = (
+    PRELUDE
+    + r"""
 local now, s0 = clock(), tonumber(ARGV[2])
 local share_key = nil
 if s0 > 0 then share_key = KEYS[3] end
@@ -167,21 +215,28 @@ local live = '-'
 if lim[3] >= 0 then live = redis.call('ZCOUNT', KEYS[2], '(' .. num(now), '+inf') end
 return table.concat({num(s), num(st[1]), num(st[2]), num(live), num(st[3])}, ' ')
 """
+)
 
 # A slice's share hash. KEYS: share. ARGV: initial share. Returns "share demand-since-the-last-call".
-TAKE_DEMAND = PRELUDE + r"""
+TAKE_DEMAND = (
+    PRELUDE
+    + r"""
 local s = share_of(KEYS[1], clock(), tonumber(ARGV[1]), true)
 local demand = redis.call('HGET', KEYS[1], 'demand') or '0'
 redis.call('HSET', KEYS[1], 'demand', '0')
 redis.call('EXPIRE', KEYS[1], 2 * DAY)
 return num(s) .. ' ' .. demand
 """
+)
 
 # KEYS: share. ARGV: new share, initial share. Closes the integral at the old share, then switches.
-SET_SHARE = PRELUDE + r"""
+SET_SHARE = (
+    PRELUDE
+    + r"""
 local now = clock()
 local _, a = share_of(KEYS[1], now, tonumber(ARGV[2]), true)
 redis.call('HSET', KEYS[1], 's', ARGV[1], 'acc', num(a), 'since', num(now))
 redis.call('EXPIRE', KEYS[1], 2 * DAY)
 return 1
 """
+)

@@ -1,14 +1,23 @@
 """The quota in process memory, for the embedded single-process mode and as the failover's local limiter. Same
 semantics as the Redis backend. A decision never awaits, so on one event loop it is atomic without locks."""
+
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
-from tokenfleet.quota.base import (Decision, Remaining, Reservation, Scope, check_reservation, check_reserve)
-from tokenfleet.quota.rules import DAY_S, ScopeState, day_name, day_number, decide, fits
+from tokenfleet.quota.base import (
+    Decision,
+    Remaining,
+    Reservation,
+    Scope,
+    check_extend,
+    check_reservation,
+    check_reserve,
+)
+from tokenfleet.quota.rules import DAY_S, ScopeState, day_name, day_number, decide, fits, room
 
 
 @dataclass
@@ -30,8 +39,15 @@ class _ScopeData:
 class MemoryQuota:
     name = "memory"
 
-    def __init__(self, *, lease_s: float = 900.0, marker_ttl_s: float = 3600.0, concurrency_retry_s: float = 1.0,
-                 clock: Callable[[], float] = time.time, sweep_interval_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        *,
+        lease_s: float = 900.0,
+        marker_ttl_s: float = 3600.0,
+        concurrency_retry_s: float = 1.0,
+        clock: Callable[[], float] = time.time,
+        sweep_interval_s: float = 60.0,
+    ) -> None:
         if lease_s <= 0 or marker_ttl_s <= 0 or concurrency_retry_s <= 0:
             raise ValueError("lease_s, marker_ttl_s and concurrency_retry_s must be positive")
         self.lease_s, self.marker_ttl_s, self.concurrency_retry_s = lease_s, marker_ttl_s, concurrency_retry_s
@@ -40,8 +56,7 @@ class MemoryQuota:
         self._reconciled: dict[str, float] = {}  # request id -> marker expiry
         self._swept = 0.0
 
-    async def reserve(self, request_id: str, scopes: Sequence[Scope], tokens: int,
-                      tier: str = "default") -> Decision:
+    async def reserve(self, request_id: str, scopes: Sequence[Scope], tokens: int, tier: str = "default") -> Decision:
         scopes = check_reserve(request_id, scopes, tokens)
         now = self.clock()
         self._sweep(now)
@@ -71,13 +86,31 @@ class MemoryQuota:
             if scope.limits.tokens_per_day and data.day == day:
                 data.used = max(0, data.used + extra)
 
+    async def extend(self, reservation: Reservation, at_least: int, at_most: int) -> Reservation | None:
+        check_extend(reservation, at_least, at_most)
+        now = self.clock()
+        if self._reconciled.get(reservation.request_id, 0.0) > now:
+            return None
+        day = int(now // DAY_S)
+        charged_today = day_number(reservation.day) == day
+        states = [self._state(scope, now, day) for scope in reservation.scopes]
+        grant = min(at_most, *(room(state, charged_today) for state in states))
+        if grant < at_least:
+            return None
+        for state in states:
+            self._charge_more(state, int(grant), now, day, charged_today)
+        return replace(reservation, tokens=reservation.tokens + int(grant))
+
     async def remaining(self, scope: Scope) -> Remaining:
         now = self.clock()
         state = self._state(scope, now, int(now // DAY_S))
-        lim = scope.limits
-        return Remaining(state.requests, state.tokens,
-                         None if state.live is None else lim.concurrent_requests - state.live,
-                         None if state.used_today is None else lim.tokens_per_day - state.used_today)
+        conc, tpd = scope.limits.concurrent_requests, scope.limits.tokens_per_day
+        return Remaining(
+            state.requests,
+            state.tokens,
+            None if conc is None or state.live is None else conc - state.live,
+            None if tpd is None or state.used_today is None else tpd - state.used_today,
+        )
 
     async def close(self) -> None:
         self._scopes.clear()
@@ -92,29 +125,45 @@ class MemoryQuota:
     def _state(self, scope: Scope, now: float, day: int) -> ScopeState:
         """What the scope holds now, refilled; changes nothing but dropping expired leases."""
         lim, data = scope.limits, self._data(scope)
-        rpm, tpm, conc, tpd = (lim.requests_per_minute, lim.tokens_per_minute, lim.concurrent_requests,
-                               lim.tokens_per_day)
+        rpm, tpm, conc, tpd = (
+            lim.requests_per_minute,
+            lim.tokens_per_minute,
+            lim.concurrent_requests,
+            lim.tokens_per_day,
+        )
         live = None
         if conc is not None:
             if data.next_expiry <= now:
                 self._drop_expired(data, now)
             live = len(data.live)
-        return ScopeState(scope, lim,
-                          None if rpm is None else self._level(data, "rpm", rpm, now),
-                          None if tpm is None else self._level(data, "tpm", tpm, now),
-                          live, None if tpd is None else (data.used if data.day == day else 0))
+        return ScopeState(
+            scope,
+            lim,
+            None if rpm is None else self._level(data, "rpm", rpm, now),
+            None if tpm is None else self._level(data, "tpm", tpm, now),
+            live,
+            None if tpd is None else (data.used if data.day == day else 0),
+        )
 
     def _charge(self, state: ScopeState, request_id: str, tokens: int, now: float, day: int) -> None:
-        data, lim = self._data(state.scope), state.limits
-        if state.requests is not None:
-            self._store(data, "rpm", state.requests - 1, lim.requests_per_minute, now)
-        if state.tokens is not None:
-            self._store(data, "tpm", state.tokens - tokens, lim.tokens_per_minute, now)
+        data, rpm, tpm = self._data(state.scope), state.limits.requests_per_minute, state.limits.tokens_per_minute
+        if rpm is not None and state.requests is not None:
+            self._store(data, "rpm", state.requests - 1, rpm, now)
+        if tpm is not None and state.tokens is not None:
+            self._store(data, "tpm", state.tokens - tokens, tpm, now)
         if state.live is not None:
             data.live[request_id] = expiry = now + self.lease_s
             data.next_expiry = min(data.next_expiry, expiry)
             data.keep_until = max(data.keep_until, now + self.lease_s)
         if state.used_today is not None:
+            data.day, data.used = day, state.used_today + tokens
+            data.keep_until = max(data.keep_until, (day + 1) * DAY_S)
+
+    def _charge_more(self, state: ScopeState, tokens: int, now: float, day: int, charged_today: bool) -> None:
+        data, tpm = self._data(state.scope), state.limits.tokens_per_minute
+        if tpm is not None and state.tokens is not None:
+            self._store(data, "tpm", state.tokens - tokens, tpm, now)
+        if state.used_today is not None and charged_today:
             data.day, data.used = day, state.used_today + tokens
             data.keep_until = max(data.keep_until, (day + 1) * DAY_S)
 

@@ -1,5 +1,6 @@
 """The rebalance task of a hot tenant: moves per-minute bucket shares between its slices toward recent demand
 (the design is in slices.py)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,8 +10,8 @@ import time
 
 from tokenfleet.quota import lua
 from tokenfleet.quota.base import QuotaStoreError
+from tokenfleet.quota.redis_client import RedisStore, Script, text
 from tokenfleet.quota.slices import SlicePlan, apply_order, target_shares
-from tokenfleet.quota.store import RedisStore, Script, text
 
 log = logging.getLogger("tokenfleet.quota")
 TAKE_DEMAND, SET_SHARE = Script(lua.TAKE_DEMAND), Script(lua.SET_SHARE)
@@ -52,6 +53,8 @@ class Rebalancer:
     async def run(self) -> None:
         """Rounds every interval until cancelled (also when a library swallowed the cancellation on the way)."""
         task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("the quota rebalancer must run as an asyncio task")
         while not task.cancelling():
             await asyncio.sleep(self.interval_s)
             try:

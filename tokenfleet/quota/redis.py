@@ -1,23 +1,35 @@
 """The quota in Redis, shared by every gateway of a fleet: each reserve and each reconcile is one Lua script call
 (lua.py), all keys of a request under the tenant's hash tag, every key expiring once idle. Hot tenants are split
 into slices (slices.py)."""
+
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
 
 import redis.asyncio as aioredis
 
 from tokenfleet.quota import lua
-from tokenfleet.quota.base import (Decision, Remaining, Reservation, Scope, check_reservation, check_reserve)
+from tokenfleet.quota.base import (
+    Decision,
+    Remaining,
+    Reservation,
+    Scope,
+    check_extend,
+    check_reservation,
+    check_reserve,
+)
 from tokenfleet.quota.limits import Limits
 from tokenfleet.quota.rebalance import Rebalancer
+from tokenfleet.quota.redis_client import RedisStore, Script, connect, text
 from tokenfleet.quota.rules import ScopeState, day_name, day_number, decide
 from tokenfleet.quota.slices import SlicePlan
-from tokenfleet.quota.store import RedisStore, Script, connect, text
 
 RESERVE, RECONCILE, INSPECT = Script(lua.RESERVE), Script(lua.RECONCILE), Script(lua.INSPECT)
+EXTEND = Script(lua.EXTEND)
 CLOSE_WAIT_S = 2.0  # how long close() waits for rebalance tasks to stop
 log = logging.getLogger("tokenfleet.quota")
 
@@ -28,12 +40,23 @@ class RedisQuota:
 
     name = "redis"
 
-    def __init__(self, client: aioredis.Redis, prefix: str = "tokenfleet:quota:", *, lease_s: float = 900.0,
-                 marker_ttl_s: int = 3600, concurrency_retry_s: float = 1.0, call_timeout_s: float = 1.0,
-                 max_in_flight: int = 16,
-                 hot_tenants: Mapping[str, int] | None = None, slice_index: int = 0,
-                 rebalance_interval_s: float = 2.0, min_share: float = 0.25, auto_rebalance: bool = True,
-                 owns_client: bool = False) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        prefix: str = "tokenfleet:quota:",
+        *,
+        lease_s: float = 900.0,
+        marker_ttl_s: int = 3600,
+        concurrency_retry_s: float = 1.0,
+        call_timeout_s: float = 1.0,
+        max_in_flight: int = 16,
+        hot_tenants: Mapping[str, int] | None = None,
+        slice_index: int = 0,
+        rebalance_interval_s: float = 2.0,
+        min_share: float = 0.25,
+        auto_rebalance: bool = True,
+        owns_client: bool = False,
+    ) -> None:
         if lease_s <= 0 or marker_ttl_s < 1 or concurrency_retry_s <= 0 or rebalance_interval_s <= 0:
             raise ValueError("lease_s, marker_ttl_s, concurrency_retry_s and rebalance_interval_s must be positive")
         if not 0 < min_share <= 1:
@@ -47,14 +70,23 @@ class RedisQuota:
         self.rebalance_interval_s, self.min_share = rebalance_interval_s, min_share
         self.auto_rebalance = auto_rebalance  # False: the caller runs rebalancer(tenant).rebalance_once() itself
         self.rebalancers: dict[str, Rebalancer] = {}
-        self._tasks: dict[str, asyncio.Task] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
         self._owns_client = owns_client
 
     @classmethod
-    def from_url(cls, url: str, prefix: str = "tokenfleet:quota:", *, connect_timeout_s: float = 0.25,
-                 socket_timeout_s: float = 0.25, max_connections: int = 16, **options: Any) -> "RedisQuota":
-        client = connect(url, connect_timeout_s=connect_timeout_s, socket_timeout_s=socket_timeout_s,
-                         max_connections=max_connections)
+    def from_url(
+        cls,
+        url: str,
+        prefix: str = "tokenfleet:quota:",
+        *,
+        connect_timeout_s: float = 0.25,
+        socket_timeout_s: float = 0.25,
+        max_connections: int = 16,
+        **options: Any,
+    ) -> RedisQuota:
+        client = connect(
+            url, connect_timeout_s=connect_timeout_s, socket_timeout_s=socket_timeout_s, max_connections=max_connections
+        )
         options.setdefault("call_timeout_s", connect_timeout_s + socket_timeout_s + 0.25)
         return cls(client, prefix, max_in_flight=max_connections, owns_client=True, **options)
 
@@ -69,8 +101,7 @@ class RedisQuota:
     def _keys(self, plan: SlicePlan, scope: Scope) -> list[str]:
         return [self.store.key(plan.tag, scope.name, "q"), self.store.key(plan.tag, scope.name, "leases")]
 
-    async def reserve(self, request_id: str, scopes: Sequence[Scope], tokens: int,
-                      tier: str = "default") -> Decision:
+    async def reserve(self, request_id: str, scopes: Sequence[Scope], tokens: int, tier: str = "default") -> Decision:
         scopes = check_reserve(request_id, scopes, tokens)
         plan = self.plan(scopes[0].tenant)
         limits = [plan.limits(s.limits) for s in scopes]
@@ -83,7 +114,7 @@ class RedisQuota:
         allowed, now, day, share = reply[0] == "1", float(reply[1]), int(reply[2]), float(reply[3])
         states = []
         for i, (scope, lim) in enumerate(zip(scopes, limits)):
-            rpm, tpm, live, used = map(_number, reply[4 + 4 * i: 8 + 4 * i])
+            rpm, tpm, live, used = map(_number, reply[4 + 4 * i : 8 + 4 * i])
             states.append(ScopeState(scope, lim, rpm, tpm, _int(live), _int(used), share, plan.max_share))
         reservation = None
         if allowed:
@@ -98,9 +129,34 @@ class RedisQuota:
         if plan.sliced:
             keys.append(self.store.key(plan.tag, "share"))
         day = day_number(reservation.day)
-        args = [reservation.request_id, used_tokens - reservation.tokens, day, len(reservation.scopes),
-                self.marker_ttl_s, _s0(plan), *(_packed(plan.limits(s.limits)) for s in reservation.scopes)]
+        args = [
+            reservation.request_id,
+            used_tokens - reservation.tokens,
+            day,
+            len(reservation.scopes),
+            self.marker_ttl_s,
+            _s0(plan),
+            *(_packed(plan.limits(s.limits)) for s in reservation.scopes),
+        ]
         await self.store.run(RECONCILE, keys, args)
+
+    async def extend(self, reservation: Reservation, at_least: int, at_most: int) -> Reservation | None:
+        check_extend(reservation, at_least, at_most)
+        plan = self.plan(reservation.scopes[0].tenant, reservation.slice)
+        keys = [self._keys(plan, s)[0] for s in reservation.scopes]
+        keys.append(self.store.key(plan.tag, "reconciled", reservation.request_id))
+        if plan.sliced:
+            keys.append(self.store.key(plan.tag, "share"))
+        args = [
+            at_least,
+            at_most,
+            day_number(reservation.day),
+            len(reservation.scopes),
+            _s0(plan),
+            *(_packed(plan.limits(s.limits)) for s in reservation.scopes),
+        ]
+        grant = int(await self.store.run(EXTEND, keys, args))
+        return replace(reservation, tokens=reservation.tokens + grant) if grant else None
 
     async def remaining(self, scope: Scope) -> Remaining:
         """What `scope` has left now in this gateway's slice (read only)."""
@@ -111,8 +167,13 @@ class RedisQuota:
             keys.append(self.store.key(plan.tag, "share"))
         reply = text(await self.store.run(INSPECT, keys, [_packed(lim), _s0(plan)])).split(" ")
         rpm, tpm, live, used = map(_number, reply[1:5])
-        return Remaining(rpm, tpm, None if live is None else int(lim.concurrent_requests - live),
-                         None if used is None else int(lim.tokens_per_day - used))
+        conc, tpd = lim.concurrent_requests, lim.tokens_per_day
+        return Remaining(
+            rpm,
+            tpm,
+            None if conc is None or live is None else int(conc - live),
+            None if tpd is None or used is None else int(tpd - used),
+        )
 
     async def share(self, tenant: str, index: int) -> float:
         """A hot tenant's slice's current share of the per-minute buckets."""
@@ -122,8 +183,9 @@ class RedisQuota:
 
     def rebalancer(self, tenant: str) -> Rebalancer:
         if tenant not in self.rebalancers:
-            self.rebalancers[tenant] = Rebalancer(self.store, tenant, self.hot_tenants[tenant], self.min_share,
-                                                  self.rebalance_interval_s)
+            self.rebalancers[tenant] = Rebalancer(
+                self.store, tenant, self.hot_tenants[tenant], self.min_share, self.rebalance_interval_s
+            )
         return self.rebalancers[tenant]
 
     def _start_rebalancer(self, plan: SlicePlan) -> None:
@@ -144,8 +206,10 @@ class RedisQuota:
 
 def _packed(lim: Limits) -> str:
     """One scope's limits as the scripts take them: "rpm tpm conc tpd", -1 for unlimited."""
-    return " ".join("-1" if v is None else str(v) for v in
-                    (lim.requests_per_minute, lim.tokens_per_minute, lim.concurrent_requests, lim.tokens_per_day))
+    return " ".join(
+        "-1" if v is None else str(v)
+        for v in (lim.requests_per_minute, lim.tokens_per_minute, lim.concurrent_requests, lim.tokens_per_day)
+    )
 
 
 def _number(value: str) -> float | None:

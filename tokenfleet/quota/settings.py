@@ -1,4 +1,5 @@
 """`quota:` in fleet.yaml: which backend decides, and how a Redis outage is treated."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -30,6 +30,7 @@ Judging size: a request larger than ``limit * max_share`` (the most one slice ca
 one that fits that but not the slice's current capacity is refused on tokens_per_minute (the share may grow).
 A user scope of a hot tenant is split the same way as its organisation (it shares the tenant's hash tag).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -69,11 +70,15 @@ class SlicePlan:
     def limits(self, limits: Limits) -> Limits:
         """What this slice enforces of a scope's limits: per-minute ones whole (scaled by the share in the script),
         concurrency and the daily budget split evenly."""
-        if not self.sliced:
+        index = self.index
+        if index is None:
             return limits
-        return Limits(limits.requests_per_minute, limits.tokens_per_minute,
-                      even_part(limits.concurrent_requests, self.count, self.index),
-                      even_part(limits.tokens_per_day, self.count, self.index))
+        return Limits(
+            limits.requests_per_minute,
+            limits.tokens_per_minute,
+            even_part(limits.concurrent_requests, self.count, index),
+            even_part(limits.tokens_per_day, self.count, index),
+        )
 
 
 def even_part(total: int | None, count: int, index: int) -> int | None:

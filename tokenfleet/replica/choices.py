@@ -1,11 +1,13 @@
 """One API request's choices (n per prompt) as engine requests, merged into one stream of (choice, output)."""
+
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from tokenfleet.api.render import Usage
 from tokenfleet.engine.async_engine import AsyncEngine
@@ -13,6 +15,7 @@ from tokenfleet.engine.engine import RequestOutput
 from tokenfleet.engine.request import SamplingParams
 
 _DONE = object()
+_START_SLICE = 32  # engine requests started per turn of the event loop
 
 
 @dataclass
@@ -36,9 +39,9 @@ class ChoiceStream:
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Yields (choice index, output) as any choice progresses; closing it aborts the unfinished choices."""
         queue: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.create_task(self._pump(i, prompt, queue))
-                 for i, prompt in enumerate(p for p in self.prompts for _ in range(self.n))]
+        tasks: list[asyncio.Task] = []
         try:
+            await self._start_pumps(queue, tasks)
             remaining = len(tasks)
             while remaining:
                 item = await queue.get()
@@ -53,6 +56,14 @@ class ChoiceStream:
                 task.cancel()  # each pump's generator aborts its engine request when cancelled
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def _start_pumps(self, queue: asyncio.Queue, tasks: list[asyncio.Task]) -> None:
+        """One engine request per choice, started a slice at a time: each start costs the event loop a little (a
+        command to the engine), and a request with a thousand choices must not hold it for everyone else."""
+        choices = enumerate(p for p in self.prompts for _ in range(self.n))
+        while slice_ := list(itertools.islice(choices, _START_SLICE)):
+            tasks.extend(asyncio.create_task(self._pump(i, prompt, queue)) for i, prompt in slice_)
+            await asyncio.sleep(0)
+
     def _choice_params(self, index: int) -> SamplingParams:
         """A seeded request's choices get consecutive seeds: reproducible, yet not n copies of one sample."""
         if self.params.seed is None or index % self.n == 0:
@@ -60,8 +71,8 @@ class ChoiceStream:
         return dataclasses.replace(self.params, seed=self.params.seed + index % self.n)
 
     async def _pump(self, index: int, prompt: list[int], queue: asyncio.Queue) -> None:
-        params = self._choice_params(index)
         try:
+            params = self._choice_params(index)
             async for out in self.engine.generate(prompt, params, f"{self.request_id}-{index}", self.priority):
                 self._account(index, out)
                 queue.put_nowait((index, out))

@@ -1,16 +1,36 @@
 """Replica metrics under vLLM's Prometheus names, so existing dashboards, autoscalers and routers work unchanged,
 and the /load report the router reads."""
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
 from tokenfleet.engine.state import EngineState, load_report  # noqa: F401  (load_report: the replica's /load)
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-                   80.0, 160.0)
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
 
 
 class ReplicaMetrics:
@@ -24,22 +44,41 @@ class ReplicaMetrics:
             Gauge(name, doc, labels, registry=self.registry).labels(**self.labels).set_function(fn)
 
         gauge("vllm:num_requests_running", "Requests in the running batch.", lambda: state().load["running"])
-        gauge("vllm:num_requests_waiting", "Requests waiting or swapped out.",
-              lambda: (load := state().load)["waiting"] + load["swapped"])
+        gauge(
+            "vllm:num_requests_waiting",
+            "Requests waiting or swapped out.",
+            lambda: (load := state().load)["waiting"] + load["swapped"],
+        )
         gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", lambda: state().load["kv_usage"])
+        gauge(
+            "tokenfleet:kv_cache_tokens",
+            "Tokens the KV cache holds (blocks x block size).",
+            lambda: state().load["kv_cache_tokens"],
+        )
         self.registry.register(_SchedulerCounters(state, model_name))
         histogram = dict(labelnames=labels, registry=self.registry, buckets=LATENCY_BUCKETS)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", **histogram)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", **histogram)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", **histogram)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", labels, registry=self.registry)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", labels,
-                                         registry=self.registry)
-        self.finished = Counter("vllm:request_success", "Requests finished, by reason.",
-                                labels + ["finished_reason"], registry=self.registry)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", labels, registry=self.registry)
+        self.finished = Counter(
+            "vllm:request_success",
+            "Requests finished, by reason.",
+            labels + ["finished_reason"],
+            registry=self.registry,
+        )
 
-    def observe_request(self, arrival: float, first_token: float | None, finish: float, gaps: list[float],
-                        prompt_tokens: int, output_tokens: int, reason: str | None) -> None:
+    def observe_request(
+        self,
+        arrival: float,
+        first_token: float | None,
+        finish: float,
+        gaps: list[float],
+        prompt_tokens: int,
+        output_tokens: int,
+        reason: str | None,
+    ) -> None:
         self.e2e.labels(**self.labels).observe(finish - arrival)
         if first_token is not None:
             self.ttft.labels(**self.labels).observe(first_token - arrival)
@@ -63,10 +102,10 @@ class _SchedulerCounters:
     def collect(self):
         state = self.state()
         for name, doc, value in (
-                ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                 state.prefix_cache_queries),
-                ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", state.prefix_cache_hits),
-                ("vllm:num_preemptions", "Preemptions.", state.num_preemptions)):
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", state.prefix_cache_queries),
+            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", state.prefix_cache_hits),
+            ("vllm:num_preemptions", "Preemptions.", state.num_preemptions),
+        ):
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
@@ -75,8 +114,9 @@ class _SchedulerCounters:
     def _step_time(self, state: EngineState) -> CounterMetricFamily:
         """Where engine step time goes, so served-mode overheads show up next to the offline profile."""
         stats = state.stats
-        family = CounterMetricFamily("tokenfleet:engine_step_seconds", "Engine step time by phase.",
-                                     labels=["model_name", "phase"])
+        family = CounterMetricFamily(
+            "tokenfleet:engine_step_seconds", "Engine step time by phase.", labels=["model_name", "phase"]
+        )
         for phase in ("schedule", "prepare", "forward", "sample", "output"):
             family.add_metric([self.model_name, phase], getattr(stats, f"{phase}_s"))
         return family

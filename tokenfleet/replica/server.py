@@ -1,18 +1,19 @@
 """The replica's HTTP server: an OpenAI-compatible API around one AsyncEngine, plus /health, /metrics and /load."""
+
 from __future__ import annotations
 
 import json
 import logging
 import time
 import uuid
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenfleet.api.errors import bad_request, not_found
 from tokenfleet.api.http import install_error_handler, read_json, until_disconnect
-from tokenfleet.api.protocol import ChatCompletionRequest, CompletionRequest, parse, prompt_token_ids
+from tokenfleet.api.protocol import ChatCompletionRequest, CompletionRequest, parse, prompt_token_ids_off_loop
 from tokenfleet.api.render import Renderer
 from tokenfleet.api.sse import SSE_HEADERS, sse_event
 from tokenfleet.engine.async_engine import AsyncEngine
@@ -29,30 +30,35 @@ class ReplicaService:
         self.engine, self.model_name = engine, model_name
         self.metrics = ReplicaMetrics(engine.state, model_name)
 
-    def open(self, kind: str, body: object) -> tuple[ChatCompletionRequest | CompletionRequest, ChoiceStream,
-                                                     Renderer]:
+    async def open(
+        self, kind: str, body: object
+    ) -> tuple[ChatCompletionRequest | CompletionRequest, ChoiceStream, Renderer]:
         """Validates a chat ("chat") or text ("text") completion body and starts its engine requests."""
         if kind == "chat":
             req = parse(ChatCompletionRequest, body)
             self.check_model(req.model)
-            stream, renderer = self.start("chat", prompt_token_ids(req, self.engine.tokenizer), req,
-                                          req.requested_max_tokens(), req.requested_logprobs())
+            prompts = await prompt_token_ids_off_loop(req, self.engine.tokenizer)
+            stream, renderer = self.start("chat", prompts, req, req.requested_max_tokens(), req.requested_logprobs())
             return req, stream, renderer
         req = parse(CompletionRequest, body)
         self.check_model(req.model)
         if req.suffix:
             raise bad_request("suffix is not supported", param="suffix")
-        stream, renderer = self.start("text", prompt_token_ids(req, self.engine.tokenizer), req, req.max_tokens,
-                                      req.logprobs)
+        prompts = await prompt_token_ids_off_loop(req, self.engine.tokenizer)
+        stream, renderer = self.start("text", prompts, req, req.max_tokens, req.logprobs)
         return req, stream, renderer
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
-            raise not_found(f"The model `{model}` does not exist; this replica serves `{self.model_name}`",
-                            param="model", code="model_not_found")
+            raise not_found(
+                f"The model `{model}` does not exist; this replica serves `{self.model_name}`",
+                param="model",
+                code="model_not_found",
+            )
 
-    def start(self, kind: str, prompts: list[list[int]], req, max_tokens: int | None,
-              logprobs: int | None) -> tuple[ChoiceStream, Renderer]:
+    def start(
+        self, kind: str, prompts: list[list[int]], req, max_tokens: int | None, logprobs: int | None
+    ) -> tuple[ChoiceStream, Renderer]:
         """Validates every prompt against the engine's limits, then starts the engine requests."""
         params = req.sampling_params(max_tokens, logprobs)
         for prompt in prompts:
@@ -62,10 +68,11 @@ class ReplicaService:
                 raise bad_request(str(e), param="messages" if kind == "chat" else "prompt") from e
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         stream = ChoiceStream(self.engine, request_id, prompts, params, req.n, req.priority)
-        return stream, Renderer(kind, request_id, req.model, self.engine.tokenizer)
+        return stream, Renderer(kind, request_id, req.model, self.engine.tokenizer, token_ids=req.return_token_ids)
 
-    async def chunks(self, stream: ChoiceStream, renderer: Renderer, include_usage: bool,
-                     continuous_usage: bool = False) -> AsyncIterator[dict]:
+    async def chunks(
+        self, stream: ChoiceStream, renderer: Renderer, include_usage: bool, continuous_usage: bool = False
+    ) -> AsyncIterator[dict]:
         """The OpenAI chunk objects of a streamed response (without the closing [DONE])."""
         arrival, started = time.monotonic(), set()
         try:
@@ -80,8 +87,9 @@ class ReplicaService:
         finally:
             self._observe(stream, arrival)
 
-    async def events(self, stream: ChoiceStream, renderer: Renderer, include_usage: bool,
-                     continuous_usage: bool = False) -> AsyncIterator[str]:
+    async def events(
+        self, stream: ChoiceStream, renderer: Renderer, include_usage: bool, continuous_usage: bool = False
+    ) -> AsyncIterator[str]:
         async for chunk in self.chunks(stream, renderer, include_usage, continuous_usage):
             yield sse_event(json.dumps(chunk))
         yield sse_event("[DONE]")
@@ -95,9 +103,18 @@ class ReplicaService:
         return renderer.response(finals, stream.usage)
 
     def _observe(self, stream: ChoiceStream, arrival: float) -> None:
+        gaps = stream.gaps  # the whole stream's: observed once, not once per choice (n x the work, n x the count)
         for final in stream.finals.values():
-            self.metrics.observe_request(arrival, stream.first_token_at, time.monotonic(), stream.gaps,
-                                         len(final.prompt_token_ids), len(final.token_ids), final.finish_reason)
+            self.metrics.observe_request(
+                arrival,
+                stream.first_token_at,
+                time.monotonic(),
+                gaps,
+                len(final.prompt_token_ids),
+                len(final.token_ids),
+                final.finish_reason,
+            )
+            gaps = []
         for _ in range(stream.num_choices - len(stream.finals)):  # the client left: those choices were aborted
             self.metrics.finished.labels(**self.metrics.labels, finished_reason="abort").inc()
 
@@ -126,27 +143,43 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "tokenfleet", "max_model_len": engine.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "tokenfleet",
+                    "max_model_len": engine.max_model_len,
+                }
+            ],
+        }
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        req, stream, renderer = service.open("chat", await read_json(request))
+        req, stream, renderer = await service.open("chat", await read_json(request))
         return await reply(request, service, stream, renderer, req)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req, stream, renderer = service.open("text", await read_json(request))
+        req, stream, renderer = await service.open("text", await read_json(request))
         return await reply(request, service, stream, renderer, req)
 
     return app
 
 
-async def reply(request: Request, service: ReplicaService, stream: ChoiceStream, renderer: Renderer,
-                req: ChatCompletionRequest | CompletionRequest) -> Response:
+async def reply(
+    request: Request,
+    service: ReplicaService,
+    stream: ChoiceStream,
+    renderer: Renderer,
+    req: ChatCompletionRequest | CompletionRequest,
+) -> Response:
     if req.stream:
         events = service.events(stream, renderer, req.include_usage, req.continuous_usage)
-        return StreamingResponse(events, media_type="text/event-stream",
-                                 headers={**SSE_HEADERS, "x-request-id": renderer.request_id})
+        return StreamingResponse(
+            events, media_type="text/event-stream", headers={**SSE_HEADERS, "x-request-id": renderer.request_id}
+        )
     body = await until_disconnect(request, service.respond(stream, renderer))
     return JSONResponse(body, headers={"x-request-id": renderer.request_id})

@@ -1,10 +1,13 @@
 """Which model serves a request: pinned versions (`name-2026-10-01`), aliases pointing at the current version,
 deprecation dates, pools of replicas per model and region, and rules-based product routing (by prompt length,
 attachments or mode) for requests that name a routing alias such as `auto`."""
+
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenfleet.api.errors import APIError, not_found
 
@@ -41,7 +44,7 @@ class ModelSpec:
     max_model_len: int | None = None
 
     @classmethod
-    def from_dict(cls, raw: dict, where: str) -> "ModelSpec":
+    def from_dict(cls, raw: Mapping[str, Any], where: str) -> ModelSpec:
         raw = dict(raw)
         try:
             pools = [PoolSpec(**p) for p in raw.pop("pools", None) or [{}]]
@@ -61,22 +64,26 @@ class RoutingRule:
 
     model: str
     name: str = ""
-    when: dict = field(default_factory=dict)
+    when: dict[str, Any] = field(default_factory=dict)
 
     CONDITIONS = ("min_prompt_tokens", "max_prompt_tokens", "attachments", "mode")
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.when) - set(self.CONDITIONS))
         if unknown:
-            raise ValueError(f"rule {self.name or self.model}: unknown condition(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(self.CONDITIONS)}")
+            raise ValueError(
+                f"rule {self.name or self.model}: unknown condition(s) {', '.join(unknown)}; "
+                f"known: {', '.join(self.CONDITIONS)}"
+            )
 
-    def matches(self, facts: "RequestFacts") -> bool:
+    def matches(self, facts: RequestFacts) -> bool:
         w = self.when
-        return (facts.prompt_tokens >= w.get("min_prompt_tokens", 0)
-                and facts.prompt_tokens <= w.get("max_prompt_tokens", float("inf"))
-                and ("attachments" not in w or facts.attachments == bool(w["attachments"]))
-                and ("mode" not in w or facts.mode == w["mode"]))
+        return (
+            facts.prompt_tokens >= w.get("min_prompt_tokens", 0)
+            and facts.prompt_tokens <= w.get("max_prompt_tokens", float("inf"))
+            and ("attachments" not in w or facts.attachments == bool(w["attachments"]))
+            and ("mode" not in w or facts.mode == w["mode"])
+        )
 
 
 @dataclass(frozen=True)
@@ -95,8 +102,12 @@ class Resolution:
 
 
 class ModelCatalog:
-    def __init__(self, models: list[ModelSpec], router_aliases: dict[str, list[RoutingRule]] | None = None,
-                 today=dt.date.today) -> None:
+    def __init__(
+        self,
+        models: list[ModelSpec],
+        router_aliases: dict[str, list[RoutingRule]] | None = None,
+        today: Callable[[], dt.date] = dt.date.today,
+    ) -> None:
         self.models = {m.name: m for m in models}
         self.router_aliases = router_aliases or {}
         self.today = today
@@ -134,26 +145,32 @@ class ModelCatalog:
         if requested in self.router_aliases:
             rule = next((r for r in self.router_aliases[requested] if r.matches(facts)), None)
             if rule is None:
-                raise APIError(400, f"no routing rule of {requested!r} matches this request", param="model",
-                               code="no_route")
+                raise APIError(
+                    400, f"no routing rule of {requested!r} matches this request", param="model", code="no_route"
+                )
             name = rule.model
         model = self.lookup(name)
         if model is None:
             raise not_found(f"The model `{requested}` does not exist", param="model", code="model_not_found")
         deprecated = model.deprecated_on
         if deprecated is not None and self.today() >= deprecated and requested not in self.aliases:
-            raise not_found(f"The model `{model.name}` was deprecated on {deprecated.isoformat()}; use "
-                            f"{', '.join(self.current_names()) or 'another model'}", param="model",
-                            code="model_deprecated")
+            raise not_found(
+                f"The model `{model.name}` was deprecated on {deprecated.isoformat()}; use "
+                f"{', '.join(self.current_names()) or 'another model'}",
+                param="model",
+                code="model_deprecated",
+            )
         return Resolution(model, requested, rule.name or rule.model if rule else None, deprecated)
 
     def current_names(self) -> list[str]:
         return sorted(self.aliases)
 
-    def listing(self) -> list[dict]:
+    def listing(self) -> list[dict[str, Any]]:
         """What /v1/models shows: every version, every alias, every routing alias."""
-        entries = [{"id": m.name, "deprecated_on": m.deprecated_on.isoformat() if m.deprecated_on else None}
-                   for m in self.models.values()]
+        entries: list[dict[str, Any]] = [
+            {"id": m.name, "deprecated_on": m.deprecated_on.isoformat() if m.deprecated_on else None}
+            for m in self.models.values()
+        ]
         entries += [{"id": alias, "alias_of": target} for alias, target in self.aliases.items()]
         entries += [{"id": alias, "routes_by_rules": True} for alias in self.router_aliases]
         return [{"object": "model", "created": 0, "owned_by": "tokenfleet", **e} for e in entries]

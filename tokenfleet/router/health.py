@@ -3,12 +3,15 @@ first tokens against the pool's median) and by active GET /health checks.
 
 States: "closed" (healthy, takes traffic), "open" (ejected until a time), "half_open" (the ejection time has
 passed; exactly one request or active check goes through as a probe: success closes, failure re-opens for longer).
+Active checks go on while a replica is ejected: one that passes readmits it at once (as Envoy un-ejects a host on a
+passing active check), unless it was ejected as slow, which /health cannot disprove.
 
 Usage by a router: filter candidates with `available(name)` (no side effects), then call `begin_request(name)`
 on the one it picks (claims the probe slot of a half-open replica), and report the outcome with
 `record_success` / `record_failure`, or `release(name)` when the request ended without a verdict (the client
 cancelled before the first token).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,8 +19,9 @@ import logging
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any
 
 import httpx
 
@@ -29,18 +33,18 @@ REASONS = frozenset({"connect", "timeout", "5xx", "stream_broken", "slow", "heal
 
 @dataclass
 class HealthSettings:
-    check_interval_s: float = 2.0      # active GET /health
+    check_interval_s: float = 2.0  # active GET /health
     check_timeout_s: float = 1.0
-    consecutive_failures: int = 3      # passive: this many errors in a row eject (connection errors, 5xx, timeouts)
-    slow_ttft_factor: float = 5.0      # passive: a TTFT this many times the pool's median counts as a failure ...
-    slow_ttft_min_s: float = 1.0       # ... and only above this absolute floor
-    ttft_window: int = 256             # recent TTFT samples per pool that the median is taken over
-    min_ttft_samples: int = 10         # no slow verdicts until the rest of the pool has this many samples
-    base_ejection_s: float = 5.0       # ejection time = base × number of times ejected ...
+    consecutive_failures: int = 3  # passive: this many errors in a row eject (connection errors, 5xx, timeouts)
+    slow_ttft_factor: float = 5.0  # passive: a TTFT this many times the pool's median counts as a failure ...
+    slow_ttft_min_s: float = 1.0  # ... and only above this absolute floor
+    ttft_window: int = 256  # recent TTFT samples per pool that the median is taken over
+    min_ttft_samples: int = 10  # no slow verdicts until the rest of the pool has this many samples
+    base_ejection_s: float = 5.0  # ejection time = base × number of times ejected ...
     max_ejection_multiplier: int = 10  # ... capped at this many times the base
-    ejection_decay_s: float = 60.0     # each this long spent closed forgives one past ejection
+    ejection_decay_s: float = 60.0  # each this long spent closed forgives one past ejection
     max_ejected_fraction: float = 0.5  # never eject more than this share of a pool (keep serving with the rest)
-    probe_timeout_s: float = 60.0      # a probe that never reports frees its slot after this long
+    probe_timeout_s: float = 60.0  # a probe that never reports frees its slot after this long
 
 
 @dataclass
@@ -53,6 +57,7 @@ class ReplicaHealth:
     ejections: int = 0
     ejected_until: float = 0.0
     probe_started: float | None = None  # when the half-open probe slot was taken; None while free
+    ejected_for: str | None = None  # the failure reason of the current (or last) ejection
     last_failure: str | None = None
     changed_at: float = 0.0
 
@@ -63,7 +68,7 @@ class ReplicaHealth:
 @dataclass
 class _Pool:
     members: set[str] = field(default_factory=set)
-    ttfts: deque = field(default_factory=deque)  # (replica name, ttft seconds), newest last
+    ttfts: deque[tuple[str, float]] = field(default_factory=deque)  # (replica name, ttft seconds), newest last
 
 
 class HealthTracker:
@@ -120,16 +125,24 @@ class HealthTracker:
             raise KeyError(name)
         return replica.state
 
-    def snapshot(self) -> dict[str, dict]:
+    def snapshot(self) -> dict[str, dict[str, Any]]:
         now = self.clock()
         out = {}
         for name in list(self.replicas):
             r = self._refreshed(name)
-            out[name] = {"state": r.state, "pool": r.pool, "base_url": r.base_url,
-                         "consecutive_failures": r.consecutive_failures, "ejections": r.ejections,
-                         "ejected_for_s": round(max(0.0, r.ejected_until - now), 3) if r.state == OPEN else 0.0,
-                         "probe_in_flight": r.probe_started is not None, "last_failure": r.last_failure,
-                         "since_s": round(now - r.changed_at, 3)}
+            if r is None:  # removed while we iterate
+                continue
+            out[name] = {
+                "state": r.state,
+                "pool": r.pool,
+                "base_url": r.base_url,
+                "consecutive_failures": r.consecutive_failures,
+                "ejections": r.ejections,
+                "ejected_for_s": round(max(0.0, r.ejected_until - now), 3) if r.state == OPEN else 0.0,
+                "probe_in_flight": r.probe_started is not None,
+                "last_failure": r.last_failure,
+                "since_s": round(now - r.changed_at, 3),
+            }
         return out
 
     # --- what the router reports ------------------------------------------------------------------------------
@@ -158,9 +171,20 @@ class HealthTracker:
         replica.last_failure = why
         replica.consecutive_failures += 1
         if replica.state == HALF_OPEN:
-            self._eject(replica, f"probe failed ({why})")
+            self._eject(replica, reason, f"probe failed ({why})")
         elif replica.consecutive_failures >= self.settings.consecutive_failures:
-            self._try_eject(replica, f"{replica.consecutive_failures} failures in a row, last {why}")
+            self._try_eject(replica, reason, f"{replica.consecutive_failures} failures in a row, last {why}")
+
+    def record_check_passed(self, name: str) -> None:
+        """An active health check passed: an ejected replica is readmitted now rather than when its ejection time
+        is over; one ejected as slow still waits for its probe (a /health answer says nothing about its speed)."""
+        replica = self._refreshed(name)
+        if replica is None:
+            return
+        if replica.state == OPEN and replica.ejected_for != "slow":
+            self._close(replica, "active health check passed")
+        else:
+            self.record_success(name)
 
     # --- active checks ----------------------------------------------------------------------------------------
 
@@ -175,21 +199,26 @@ class HealthTracker:
             await asyncio.sleep(max(0.0, self.settings.check_interval_s - (self.clock() - started)))
 
     async def check_all(self, client: httpx.AsyncClient) -> None:
-        """One round of active checks. Ejected replicas wait out their time; a half-open one is checked only if its
-        probe slot is free (the check is then the probe)."""
-        names = [name for name, r in self.replicas.items() if r.base_url and self.available(name)]
+        """One round of active checks, ejected replicas included (a pass readmits them); a half-open one is
+        checked only if its probe slot is free (the check is then the probe)."""
+        names = [name for name, r in self.replicas.items() if r.base_url and self._checkable(name)]
         await asyncio.gather(*(self._check(client, name) for name in names))
 
+    def _checkable(self, name: str) -> bool:
+        return self.available(name) or self.replicas[name].state == OPEN
+
     async def _check(self, client: httpx.AsyncClient, name: str) -> None:
-        replica = self.replicas.get(name)  # it may have been removed since the round began
-        if replica is None or not replica.base_url or not self.begin_request(name):
+        replica = self._refreshed(name)  # it may have been removed since the round began
+        if replica is None or not replica.base_url:
+            return
+        if replica.state != OPEN and not self.begin_request(name):  # a half-open replica's check is its probe
             return
         url = replica.base_url.rstrip("/") + "/health"
         reason, detail = await _probe(client, url, self.settings.check_timeout_s)
         if name not in self.replicas:
             return
         if reason is None:
-            self.record_success(name)
+            self.record_check_passed(name)
         else:
             self.record_failure(name, reason, f"GET /health {detail}")
 
@@ -220,30 +249,36 @@ class HealthTracker:
             return False
         return ttft_s > self.settings.slow_ttft_factor * statistics.median(others)
 
-    def _try_eject(self, replica: ReplicaHealth, why: str) -> None:
+    def _try_eject(self, replica: ReplicaHealth, reason: str, why: str) -> None:
         pool = self.pools[replica.pool]
         ejected = sum(1 for n in pool.members if self.replicas[n].is_ejected())
         if ejected + 1 > self.settings.max_ejected_fraction * len(pool.members) + 1e-9:
-            log.warning("replica %s would be ejected (%s) but %d of %d in pool %s are out already; keeping it",
-                        replica.name, why, ejected, len(pool.members), replica.pool)
+            log.warning(
+                "replica %s would be ejected (%s) but %d of %d in pool %s are out already; keeping it",
+                replica.name,
+                why,
+                ejected,
+                len(pool.members),
+                replica.pool,
+            )
             return
-        self._eject(replica, why)
+        self._eject(replica, reason, why)
 
-    def _eject(self, replica: ReplicaHealth, why: str) -> None:
+    def _eject(self, replica: ReplicaHealth, reason: str, why: str) -> None:
         now = self.clock()
         if replica.state == CLOSED and self.settings.ejection_decay_s > 0:
             forgiven = int((now - replica.changed_at) / self.settings.ejection_decay_s)
             replica.ejections = max(0, replica.ejections - forgiven)
         replica.ejections += 1
         duration = self.settings.base_ejection_s * min(replica.ejections, self.settings.max_ejection_multiplier)
-        replica.ejected_until = now + duration
+        replica.ejected_until, replica.ejected_for = now + duration, reason
         replica.probe_started = None
         self._set_state(replica, OPEN, f"{why}; ejected for {duration:g}s (ejection #{replica.ejections})")
 
-    def _close(self, replica: ReplicaHealth) -> None:
+    def _close(self, replica: ReplicaHealth, why: str = "probe succeeded") -> None:
         replica.probe_started = None
         replica.consecutive_failures = 0
-        self._set_state(replica, CLOSED, "probe succeeded")
+        self._set_state(replica, CLOSED, why)
 
     def _set_state(self, replica: ReplicaHealth, state: str, why: str) -> None:
         log.info("replica %s: %s -> %s (%s)", replica.name, replica.state, state, why)
@@ -255,7 +290,7 @@ async def _probe(client: httpx.AsyncClient, url: str, timeout_s: float) -> tuple
     try:
         # wait_for bounds the whole exchange: httpx's timeout applies per read, so a trickling server could outlast it
         response = await asyncio.wait_for(client.get(url, timeout=timeout_s), timeout_s)
-    except (asyncio.TimeoutError, httpx.TimeoutException):
+    except (TimeoutError, httpx.TimeoutException):
         return "timeout", f"no answer within {timeout_s:g}s"
     except httpx.HTTPError as e:
         return "connect", e.__class__.__name__

@@ -4,14 +4,16 @@ Our replicas answer GET /load (JSON, see tokenfleet.replica.metrics.load_report)
 server (vLLM, SGLang) is read from its Prometheus GET /metrics. Every fetch is bounded by a timeout and fails with
 LoadUnavailable, never hangs.
 """
+
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Protocol
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -31,11 +33,19 @@ HEALTH_REASONS = {"connect", "timeout", "5xx"}  # LoadUnavailable reasons that s
 
 @dataclass
 class LoadReport:
-    running: int          # sequences in the running batch
-    waiting: int          # sequences queued (waiting or swapped out)
-    queued_tokens: int    # prompt tokens not yet prefilled; 0 where the server does not tell
-    kv_usage: float       # fraction of KV cache blocks in use, 0..1
-    fetched_at: float     # time.monotonic() when it arrived
+    running: int  # sequences in the running batch
+    waiting: int  # sequences queued (waiting or swapped out)
+    queued_tokens: int  # prompt tokens not yet prefilled; 0 where the server does not tell
+    kv_usage: float  # fraction of KV cache blocks in use, 0..1
+    fetched_at: float  # time.monotonic() when it arrived
+
+
+class Upstream(Protocol):
+    """How the gateway reaches one replica (gateway/upstream.py: in process or over HTTP)."""
+
+    def stream(self, kind: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]: ...
+
+    async def load(self) -> LoadReport: ...
 
 
 class LoadUnavailable(Exception):
@@ -46,8 +56,9 @@ class LoadUnavailable(Exception):
         self.url, self.reason, self.detail = url, reason, detail
 
 
-async def fetch_load(client: httpx.AsyncClient, base_url: str, kind: str = "tokenfleet",
-                     timeout_s: float = 1.0) -> LoadReport:
+async def fetch_load(
+    client: httpx.AsyncClient, base_url: str, kind: str = "tokenfleet", timeout_s: float = 1.0
+) -> LoadReport:
     """kind "tokenfleet": GET /load of our replica; kind "openai": GET /metrics of a vLLM or SGLang server."""
     if kind not in PARSERS:
         raise ValueError(f"unknown replica kind {kind!r}; expected one of {sorted(PARSERS)}")
@@ -56,7 +67,7 @@ async def fetch_load(client: httpx.AsyncClient, base_url: str, kind: str = "toke
     try:
         # wait_for bounds the whole exchange: httpx's timeout applies per read, so a trickling server could outlast it
         response = await asyncio.wait_for(client.get(url, timeout=timeout_s), timeout_s)
-    except (asyncio.TimeoutError, httpx.TimeoutException) as e:
+    except (TimeoutError, httpx.TimeoutException) as e:
         raise LoadUnavailable(url, "timeout", f"no answer within {timeout_s:g}s") from e
     except httpx.HTTPError as e:
         raise LoadUnavailable(url, "connect", f"{e.__class__.__name__}: {e}") from e
@@ -74,10 +85,13 @@ def parse_load_json(text: str, fetched_at: float) -> LoadReport:
     data = json.loads(text)
     if not isinstance(data, dict):
         raise ValueError("expected a JSON object")
-    return LoadReport(running=int(data["running"]),
-                      waiting=int(data["waiting"]) + int(data.get("swapped", 0)),
-                      queued_tokens=int(data["queued_prefill_tokens"]),
-                      kv_usage=float(data["kv_usage"]), fetched_at=fetched_at)
+    return LoadReport(
+        running=int(data["running"]),
+        waiting=int(data["waiting"]) + int(data.get("swapped", 0)),
+        queued_tokens=int(data["queued_prefill_tokens"]),
+        kv_usage=float(data["kv_usage"]),
+        fetched_at=fetched_at,
+    )
 
 
 def parse_prometheus(text: str, fetched_at: float) -> LoadReport:
@@ -97,8 +111,13 @@ def parse_prometheus(text: str, fetched_at: float) -> LoadReport:
         raise KeyError(f"none of {', '.join(PROMETHEUS_NAMES[field])} in the metrics")
 
     running, waiting, kv = pick("running"), pick("waiting"), pick("kv_usage")
-    return LoadReport(running=round(sum(running)), waiting=round(sum(waiting)), queued_tokens=0,
-                      kv_usage=sum(kv) / len(kv), fetched_at=fetched_at)
+    return LoadReport(
+        running=round(sum(running)),
+        waiting=round(sum(waiting)),
+        queued_tokens=0,
+        kv_usage=sum(kv) / len(kv),
+        fetched_at=fetched_at,
+    )
 
 
 PARSERS: dict[str, tuple[str, Callable[[str, float], LoadReport]]] = {
@@ -117,12 +136,17 @@ class LoadPoller:
     """Keeps the latest good load report of each replica, refreshed every interval_s. A failed fetch keeps the
     previous report (its age tells how stale it is), is remembered in `errors`, and is reported to `health`."""
 
-    def __init__(self, client: httpx.AsyncClient, interval_s: float = 1.0, timeout_s: float = 1.0,
-                 health: HealthTracker | None = None) -> None:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        interval_s: float = 1.0,
+        timeout_s: float = 1.0,
+        health: HealthTracker | None = None,
+    ) -> None:
         self.client, self.interval_s, self.timeout_s, self.health = client, interval_s, timeout_s, health
         self.targets: dict[str, PollTarget] = {}
-        self.reports: dict[str, LoadReport] = {}       # last good report per replica
-        self.errors: dict[str, LoadUnavailable] = {}   # last poll's error, for replicas whose last poll failed
+        self.reports: dict[str, LoadReport] = {}  # last good report per replica
+        self.errors: dict[str, LoadUnavailable] = {}  # last poll's error, for replicas whose last poll failed
 
     def add(self, name: str, base_url: str, kind: str = "tokenfleet") -> None:
         if kind not in PARSERS:
@@ -157,15 +181,24 @@ class LoadPoller:
                 log.exception("load poll failed")
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
 
-    def snapshot(self) -> dict[str, dict]:
+    def snapshot(self) -> dict[str, dict[str, Any]]:
         out = {}
         for name, target in self.targets.items():
             report, error = self.reports.get(name), self.errors.get(name)
-            out[name] = {"base_url": target.base_url, "kind": target.kind,
-                         "report": None if report is None else {
-                             "running": report.running, "waiting": report.waiting,
-                             "queued_tokens": report.queued_tokens, "kv_usage": report.kv_usage},
-                         "age_s": self.age(name), "error": None if error is None else str(error)}
+            out[name] = {
+                "base_url": target.base_url,
+                "kind": target.kind,
+                "report": None
+                if report is None
+                else {
+                    "running": report.running,
+                    "waiting": report.waiting,
+                    "queued_tokens": report.queued_tokens,
+                    "kv_usage": report.kv_usage,
+                },
+                "age_s": self.age(name),
+                "error": None if error is None else str(error),
+            }
         return out
 
     async def _poll(self, name: str, target: PollTarget) -> None:

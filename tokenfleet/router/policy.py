@@ -16,12 +16,14 @@ every other replica one prefill to get it, after which it stays hot), while pref
 them every new conversation and leave a replica without it idle whenever load is too low for the bound to spill.
 Such prompts are ranked by the ring alone; the bound still applies.
 """
+
 from __future__ import annotations
 
 import math
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from tokenfleet.router.prefix import DEFAULT_MAX_BLOCKS, PrefixIndex, prompt_hashes
 from tokenfleet.router.ring import HashRing
@@ -68,8 +70,13 @@ class Choice:
 
 
 class RoutingPolicy(Protocol):
-    def choose(self, replicas: Sequence[ReplicaState], token_ids: Sequence[int],
-               affinity: str | None = None, hashes: Sequence[bytes] | None = None) -> Choice: ...
+    def choose(
+        self,
+        replicas: Sequence[ReplicaState],
+        token_ids: Sequence[int],
+        affinity: str | None = None,
+        hashes: Sequence[bytes] | None = None,
+    ) -> Choice: ...
 
     def forget(self, replica: str) -> None: ...
 
@@ -82,8 +89,15 @@ def healthy_replicas(replicas: Sequence[ReplicaState]) -> list[ReplicaState]:
 
 
 class CacheAwarePolicy:
-    def __init__(self, block_size: int = 16, load_bound: float = 1.25, index: PrefixIndex | None = None,
-                 vnodes: int = 100, max_blocks: int | None = DEFAULT_MAX_BLOCKS, shared_fanout: int = 2) -> None:
+    def __init__(
+        self,
+        block_size: int = 16,
+        load_bound: float = 1.25,
+        index: PrefixIndex | None = None,
+        vnodes: int = 100,
+        max_blocks: int | None = DEFAULT_MAX_BLOCKS,
+        shared_fanout: int = 2,
+    ) -> None:
         """`shared_fanout`: continuations after a block that make it a shared prefix (0 turns the refinement off)."""
         if load_bound < 1.0:
             raise ValueError("load_bound must be at least 1.0")
@@ -94,8 +108,13 @@ class CacheAwarePolicy:
         self.index = index if index is not None else PrefixIndex()
         self.ring = HashRing(vnodes=vnodes)
 
-    def choose(self, replicas: Sequence[ReplicaState], token_ids: Sequence[int],
-               affinity: str | None = None, hashes: Sequence[bytes] | None = None) -> Choice:
+    def choose(
+        self,
+        replicas: Sequence[ReplicaState],
+        token_ids: Sequence[int],
+        affinity: str | None = None,
+        hashes: Sequence[bytes] | None = None,
+    ) -> Choice:
         """Picks a replica and records the prompt's blocks for it in the prefix index. `hashes`: the prompt's block
         keys (`prompt_hashes`) when the caller has them already (the fleet simulator), else they are computed."""
         healthy = healthy_replicas(replicas)
@@ -103,7 +122,7 @@ class CacheAwarePolicy:
         if hashes is None:
             hashes = prompt_hashes(token_ids, self.block_size, self.max_blocks)
         else:
-            hashes = list(hashes[:self.max_blocks] if self.max_blocks is not None else hashes)
+            hashes = list(hashes[: self.max_blocks] if self.max_blocks is not None else hashes)
         names = {r.name for r in healthy}
         matched = {name: depth for name, depth in self.index.matches(hashes).items() if name in names}
         by_prefix = bool(matched) and not self._branches_off_shared_prefix(hashes, max(matched.values()))
@@ -128,11 +147,15 @@ class CacheAwarePolicy:
         # A conversation's next turn extends its previous prompt, whose last block nothing went on from yet; a new
         # conversation leaves its system prompt's last block, which other conversations already went on from.
         # A prompt matched to its end (a regenerate) is never a branch.
-        return (0 < self.shared_fanout and depth < len(hashes)
-                and self.index.continuations(hashes[depth - 1]) >= self.shared_fanout)
+        return (
+            0 < self.shared_fanout
+            and depth < len(hashes)
+            and self.index.continuations(hashes[depth - 1]) >= self.shared_fanout
+        )
 
-    def _ring_key(self, token_ids: Sequence[int], hashes: list[bytes], matched: dict[str, int],
-                  affinity: str | None) -> bytes:
+    def _ring_key(
+        self, token_ids: Sequence[int], hashes: list[bytes], matched: dict[str, int], affinity: str | None
+    ) -> bytes:
         if affinity is not None:
             return b"affinity:" + affinity.encode()
         if not hashes:  # shorter than one block: nothing is cached anyway, just spread by content
@@ -154,7 +177,7 @@ class CacheAwarePolicy:
         holders.sort(key=lambda r: (-matched[r.name], r.load()))  # stable: equals stay in ring order
         return holders + [r for r in in_ring if r.name not in matched]
 
-    def _capacity(self, loads: list[float]) -> int:
+    def _capacity(self, loads: Sequence[float]) -> int:
         """The most load a replica may have after taking this request (bounded-load consistent hashing).
 
         load_bound x the pool's average counting this request, rounded up to a whole request: with four idle
@@ -164,8 +187,7 @@ class CacheAwarePolicy:
         """
         return math.ceil(self.load_bound * (sum(loads) + 1) / len(loads) - 1e-9)
 
-    def _pick(self, ranked: list[ReplicaState], matched: dict[str, int], by_prefix: bool, ring_reason: str
-              ) -> Choice:
+    def _pick(self, ranked: list[ReplicaState], matched: dict[str, int], by_prefix: bool, ring_reason: str) -> Choice:
         loads = [r.load() for r in ranked]
         # The bound counts whole requests: queued prefill below a slot's worth must not push a replica that holds
         # the conversation over it (that sent later turns away from their cache in the routing benchmark).
@@ -185,8 +207,13 @@ class LeastLoadedPolicy:
     def __init__(self) -> None:
         self._turn = 0
 
-    def choose(self, replicas: Sequence[ReplicaState], token_ids: Sequence[int],
-               affinity: str | None = None, hashes: Sequence[bytes] | None = None) -> Choice:
+    def choose(
+        self,
+        replicas: Sequence[ReplicaState],
+        token_ids: Sequence[int],
+        affinity: str | None = None,
+        hashes: Sequence[bytes] | None = None,
+    ) -> Choice:
         healthy = healthy_replicas(replicas)
         loads = [r.load() for r in healthy]
         tied = [r for r, load in zip(healthy, loads) if load == min(loads)]
@@ -203,8 +230,13 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._turn = 0
 
-    def choose(self, replicas: Sequence[ReplicaState], token_ids: Sequence[int],
-               affinity: str | None = None, hashes: Sequence[bytes] | None = None) -> Choice:
+    def choose(
+        self,
+        replicas: Sequence[ReplicaState],
+        token_ids: Sequence[int],
+        affinity: str | None = None,
+        hashes: Sequence[bytes] | None = None,
+    ) -> Choice:
         healthy = healthy_replicas(replicas)
         self._turn += 1
         return Choice(healthy[(self._turn - 1) % len(healthy)].name, "round_robin", 0, 0)

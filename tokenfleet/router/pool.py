@@ -1,15 +1,17 @@
 """The replicas of one model, across its pools (regions): which are in, which are healthy or draining, how busy
 each is, and the choice of one for a request — the nearest pool with free capacity, then the routing policy
 (cache-aware with bounded load by default) inside it."""
+
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from tokenfleet.router.catalog import ModelSpec
 from tokenfleet.router.health import HealthTracker
-from tokenfleet.router.load import LoadReport
+from tokenfleet.router.load import LoadReport, Upstream
 from tokenfleet.router.policy import Choice, NoReplicaAvailable, ReplicaState, RoutingPolicy
 
 log = logging.getLogger(__name__)
@@ -21,7 +23,7 @@ class Replica:
     url: str
     pool: str
     kind: str  # tokenfleet | openai
-    upstream: object  # gateway.upstream.Upstream
+    upstream: Upstream
     state: ReplicaState
     draining: bool = False  # takes no new requests; in-flight ones finish
 
@@ -41,8 +43,10 @@ class Route:
 
     def describe(self) -> str:
         rule = f" rule={self.rule}" if self.rule else ""
-        return (f"model={self.model}{rule} pool={self.pool} replica={self.replica} reason={self.reason} "
-                f"cached_blocks={self.matched_blocks} skipped={self.skipped} attempt={self.attempt}")
+        return (
+            f"model={self.model}{rule} pool={self.pool} replica={self.replica} reason={self.reason} "
+            f"cached_blocks={self.matched_blocks} skipped={self.skipped} attempt={self.attempt}"
+        )
 
 
 @dataclass
@@ -57,7 +61,7 @@ class ModelPools:
     def __post_init__(self) -> None:
         self.latency_ms = {p.name: p.latency_ms for p in self.spec.pools}
 
-    def add(self, name: str, url: str, pool: str, kind: str, make_upstream: Callable[[str, str], object]) -> None:
+    def add(self, name: str, url: str, pool: str, kind: str, make_upstream: Callable[[str, str], Upstream]) -> None:
         if name in self.replicas:
             return
         self.replicas[name] = Replica(name, url, pool, kind, make_upstream(url, name), ReplicaState(name))
@@ -87,36 +91,58 @@ class ModelPools:
         replica = self.replicas.get(name)
         if replica is not None:
             s = replica.state
-            s.running, s.waiting, s.queued_tokens, s.kv_usage = (report.running, report.waiting,
-                                                                 report.queued_tokens, report.kv_usage)
+            s.running, s.waiting, s.queued_tokens, s.kv_usage = (
+                report.running,
+                report.waiting,
+                report.queued_tokens,
+                report.kv_usage,
+            )
 
     def can_serve(self) -> bool:
-        return any(not r.draining and self.health.available(r.name) for r in self.replicas.values())
+        """Whether a request can be sent anywhere: a replica that is not draining (healthy, or ejected ones when
+        none is: see choose)."""
+        return any(not r.draining for r in self.replicas.values())
 
-    def choose(self, token_ids: Sequence[int], affinity: str | None = None,
-               exclude: Sequence[str] = ()) -> tuple[Replica, Choice]:
+    def choose(
+        self, token_ids: Sequence[int], affinity: str | None = None, exclude: Sequence[str] = ()
+    ) -> tuple[Replica, Choice]:
         """The nearest pool that has a healthy replica with room; inside it, the policy's choice."""
-        usable = [r for r in self.replicas.values() if not r.draining and r.name not in exclude
-                  and self.health.available(r.name)]
-        if not usable:
-            raise NoReplicaAvailable(f"no healthy replica of {self.spec.name}")
+        usable, panic = self._usable(exclude)
         for pool in self._pools_nearest_first(usable):
             members = [r for r in usable if r.pool == pool]
             if any(r.state.load() < self.slots_per_replica for r in members) or pool == self._last_resort(usable):
                 choice = self.policy.choose([r.state for r in members], token_ids, affinity)
                 replica = self.replicas[choice.replica]
                 self.health.begin_request(replica.name)
-                return replica, choice
+                return replica, replace(choice, reason=f"panic:{choice.reason}") if panic else choice
         raise NoReplicaAvailable(f"no healthy replica of {self.spec.name}")  # unreachable: last resort chooses
+
+    def _usable(self, exclude: Sequence[str]) -> tuple[list[Replica], bool]:
+        """The healthy replicas not draining nor excluded; when there is none, the ejected ones (Envoy's panic
+        mode: an ejection is a guess, failing for sure is worse), with True."""
+        candidates = [r for r in self.replicas.values() if not r.draining and r.name not in exclude]
+        healthy = [r for r in candidates if self.health.available(r.name)]
+        if healthy:
+            return healthy, False
+        if not candidates:
+            raise NoReplicaAvailable(f"no healthy replica of {self.spec.name}")
+        log.warning(
+            "no healthy replica of %s: trying the ejected ones (%s)",
+            self.spec.name,
+            ", ".join(r.name for r in candidates),
+        )
+        return candidates, True
 
     def _pools_nearest_first(self, usable: list[Replica]) -> list[str]:
         return sorted({r.pool for r in usable}, key=lambda p: (self.latency_ms.get(p, 0.0), p))
 
     def _last_resort(self, usable: list[Replica]) -> str:
         """When every pool is full: the one with the most room left (then the nearest)."""
+
         def room(pool: str) -> float:
             members = [r for r in usable if r.pool == pool]
             return sum(self.slots_per_replica - r.state.load() for r in members) / len(members)
+
         return max(self._pools_nearest_first(usable), key=room)
 
     def started(self, replica: Replica) -> None:
@@ -131,8 +157,18 @@ class ModelPools:
         else:
             self.health.record_failure(replica.name, failure)
 
-    def snapshot(self) -> list[dict]:
+    def snapshot(self) -> list[dict[str, Any]]:
         health = self.health.snapshot()
-        return [{"name": r.name, "url": r.url, "pool": r.pool, "kind": r.kind, "draining": r.draining,
-                 "in_flight": r.state.in_flight, "load": round(r.state.load(), 3),
-                 "health": health.get(r.name, {}).get("state")} for r in self.replicas.values()]
+        return [
+            {
+                "name": r.name,
+                "url": r.url,
+                "pool": r.pool,
+                "kind": r.kind,
+                "draining": r.draining,
+                "in_flight": r.state.in_flight,
+                "load": round(r.state.load(), 3),
+                "health": health.get(r.name, {}).get("state"),
+            }
+            for r in self.replicas.values()
+        ]

@@ -4,11 +4,12 @@ The keys are the engine's own chained block hashes (`prefix_block_hashes`), so a
 replica that served block k of a prompt also served blocks 0..k. The index is a belief, not the truth: replicas
 evict on their own, and the index forgets least recently used entries only when it is full.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from tokenfleet.engine.kv_blocks import prefix_block_hashes
 
@@ -18,11 +19,12 @@ from tokenfleet.engine.kv_blocks import prefix_block_hashes
 DEFAULT_MAX_BLOCKS = 128
 
 
-def prompt_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = DEFAULT_MAX_BLOCKS
-                  ) -> list[bytes]:
+def prompt_hashes(
+    token_ids: Sequence[int], block_size: int, max_blocks: int | None = DEFAULT_MAX_BLOCKS
+) -> list[bytes]:
     """The engine's keys for the prompt's leading full blocks (at most `max_blocks`; None hashes them all)."""
     if max_blocks is not None:
-        token_ids = token_ids[:max_blocks * block_size]
+        token_ids = token_ids[: max_blocks * block_size]
     return prefix_block_hashes(token_ids, block_size)
 
 

@@ -14,6 +14,7 @@ both keys carry a key TTL that heartbeats only ever extend, so a fleet that stop
 The `{registry}` hash tag keeps both keys in one cluster slot. Pub/sub is only a hint that wakes watchers early:
 a lost message costs at most one poll interval.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -22,10 +23,15 @@ import hashlib
 import inspect
 import json
 import logging
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import NoScriptError, RedisError
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+    from redis.asyncio.client import PubSub
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +57,7 @@ class ReplicaRecord:
         return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, raw: str | bytes) -> "ReplicaRecord":
+    def from_json(cls, raw: str | bytes) -> ReplicaRecord:
         data = json.loads(raw)
         if not isinstance(data, dict):
             raise ValueError(f"a replica record is a JSON object, got {type(data).__name__}")
@@ -66,7 +72,7 @@ class RegistryKeys:
     events: str
 
     @classmethod
-    def under(cls, prefix: str) -> "RegistryKeys":
+    def under(cls, prefix: str) -> RegistryKeys:
         check_prefix(prefix)
         return cls(f"{prefix}{{registry}}:live", f"{prefix}{{registry}}:records", f"{prefix}events")
 
@@ -121,10 +127,14 @@ return out
 """
 
 # KEYS: live, records. ARGV: name, record JSON, ttl seconds, events channel.
-_UPSERT = Script(REDIS_NOW + UPSERT_RECORD + """
+_UPSERT = Script(
+    REDIS_NOW
+    + UPSERT_RECORD
+    + """
 if added == 1 or previous ~= ARGV[2] then redis.call('PUBLISH', ARGV[4], ARGV[1]) end
 return added
-""")
+"""
+)
 
 # KEYS: live, records. ARGV: name, record JSON, events channel. Removes the record only if it is still ours (a
 # replica restarted under the same name may have replaced it).
@@ -141,7 +151,7 @@ return 1
 _SNAPSHOT = Script(REDIS_NOW + LIVE_RECORDS)
 
 
-async def run_script(redis, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+async def run_script(redis: Redis, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
     try:
         return await redis.evalsha(script.sha, len(keys), *keys, *args)
     except NoScriptError:  # a restarted or failed-over server: EVAL runs it and caches it again
@@ -179,8 +189,14 @@ class ReplicaAnnouncer:
     Writes are serialized, so a withdraw is never overtaken by a heartbeat that was already in flight; after
     withdraw() nothing is written again and run() returns."""
 
-    def __init__(self, redis, record: ReplicaRecord, prefix: str = DEFAULT_PREFIX, ttl_s: float = 6.0,
-                 heartbeat_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        record: ReplicaRecord,
+        prefix: str = DEFAULT_PREFIX,
+        ttl_s: float = 6.0,
+        heartbeat_s: float = 2.0,
+    ) -> None:
         if not 0 < heartbeat_s < ttl_s:
             raise ValueError(f"need 0 < heartbeat_s < ttl_s, got heartbeat_s={heartbeat_s}, ttl_s={ttl_s}")
         self.redis, self.record, self.keys = redis, record, RegistryKeys.under(prefix)
@@ -234,7 +250,7 @@ class ReplicaAnnouncer:
 class ReplicaRegistry:
     """Runs inside a gateway: reads the live replica set, and watches it for changes."""
 
-    def __init__(self, redis, prefix: str = DEFAULT_PREFIX, poll_s: float = 1.0) -> None:
+    def __init__(self, redis: Redis, prefix: str = DEFAULT_PREFIX, poll_s: float = 1.0) -> None:
         if poll_s <= 0:
             raise ValueError(f"poll_s must be positive, got {poll_s}")
         self.redis, self.keys, self.poll_s = redis, RegistryKeys.under(prefix), poll_s
@@ -286,8 +302,9 @@ class ReplicaRegistry:
         return {r.name: r for r in records}
 
 
-def diff(before: dict[str, ReplicaRecord],
-         after: dict[str, ReplicaRecord]) -> tuple[list[ReplicaRecord], list[ReplicaRecord]]:
+def diff(
+    before: dict[str, ReplicaRecord], after: dict[str, ReplicaRecord]
+) -> tuple[list[ReplicaRecord], list[ReplicaRecord]]:
     """(joined, left) between two live sets keyed by name; a changed record is in both."""
     joined = [after[n] for n in sorted(after) if before.get(n) != after[n]]
     left = [before[n] for n in sorted(before) if after.get(n) != before[n]]
@@ -300,17 +317,18 @@ async def _call(on_change: OnChange, joined: list[ReplicaRecord], left: list[Rep
         if inspect.isawaitable(result):
             await result
     except Exception:
-        log.exception("replica registry: on_change failed (joined=%s, left=%s)",
-                      [r.name for r in joined], [r.name for r in left])
+        log.exception(
+            "replica registry: on_change failed (joined=%s, left=%s)", [r.name for r in joined], [r.name for r in left]
+        )
 
 
 class _Wakeup:
     """Sleeps up to a timeout, returning early when a message arrives on the registry's channel (or right after
     subscribing, since the poll before it may have missed a change)."""
 
-    def __init__(self, redis, channel: str) -> None:
+    def __init__(self, redis: Redis, channel: str) -> None:
         self.redis, self.channel = redis, channel
-        self.pubsub = None
+        self.pubsub: PubSub | None = None
 
     async def wait(self, timeout: float) -> None:
         loop = asyncio.get_running_loop()

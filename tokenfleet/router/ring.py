@@ -3,11 +3,12 @@
 A key's preference order is the replicas met walking clockwise from the key's point. Adding or removing one replica
 only changes the order for keys whose walk meets that replica's points first, about 1/N of them.
 """
+
 from __future__ import annotations
 
 import bisect
 import hashlib
-from typing import Iterable
+from collections.abc import Iterable
 
 
 def ring_point(data: bytes) -> int:

@@ -1,7 +1,10 @@
 """`routing:` in fleet.yaml: the policy and its load bound, health checks, product rules, canaries and shadows."""
+
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenfleet.router.catalog import RoutingRule
 from tokenfleet.router.health import HealthSettings
@@ -41,7 +44,7 @@ class RoutingSettings:
     replica_timeout_s: float = 30.0  # longest wait for a replica's next byte: a hung replica fails the attempt
     register_prefix: str = "tokenfleet:replicas:"  # the Redis replica registry (when the fleet has redis_url)
     health: HealthSettings = field(default_factory=HealthSettings)
-    rules: dict[str, list] = field(default_factory=dict)  # routing alias -> rules (see catalog.RoutingRule)
+    rules: dict[str, list[RoutingRule]] = field(default_factory=dict)  # routing alias -> its rules
     canary: list[Canary] = field(default_factory=list)
     shadow: list[Shadow] = field(default_factory=list)
 
@@ -55,7 +58,7 @@ class RoutingSettings:
                 raise ValueError(f"canary {canary.model}: percentages go from 0 to 100")
 
 
-def routing_from_dict(raw: dict | None, where: str) -> RoutingSettings:
+def routing_from_dict(raw: Mapping[str, Any] | None, where: str) -> RoutingSettings:
     """`routing:` in fleet.yaml: the policy and its bound, health checks, product rules, canaries, shadows."""
     raw = dict(raw or {})
     try:

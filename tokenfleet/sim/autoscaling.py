@@ -14,6 +14,7 @@ orchestrator and the router carry it out:
 
 GPU-hours count every replica from its launch to its removal (starting, serving and draining alike).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -96,7 +97,7 @@ class ScaledFleet:
         self._accounted_at = 0.0
         self._launched = 0
 
-    def run(self) -> "ScaledFleet":
+    def run(self) -> ScaledFleet:
         self.fleet.events.at(0.0, self._tick)
         self.fleet.run()
         self._account()
@@ -115,8 +116,19 @@ class ScaledFleet:
             if r.name in self.stopping:
                 continue
             s = r.report()
-            replicas.append(ReplicaSignals(r.name, r.name in fleet.draining, True, s.running, s.waiting,
-                                           s.in_flight, s.kv_usage, s.queued_tokens, self.started_at[r.name]))
+            replicas.append(
+                ReplicaSignals(
+                    r.name,
+                    r.name in fleet.draining,
+                    True,
+                    s.running,
+                    s.waiting,
+                    s.in_flight,
+                    s.kv_usage,
+                    s.queued_tokens,
+                    self.started_at[r.name],
+                )
+            )
         share = gateway_share(fleet.gateway.dispatcher.snapshot(), self.batch_tiers, self.rates, POOL, now)
         return pool_signals(POOL, replicas, share, fleet.prefill_tokens_per_s, starting=len(self.launches))
 
@@ -179,14 +191,26 @@ class ScaledFleet:
         self._accounted_at = now
 
     def _record(self, now: float, s: PoolSignals, d: Decision) -> None:
-        self.records.append(ScalingRecord(
-            round(now, 6), d.desired, round(d.need, 4), s.ready, s.starting, s.draining, round(s.arrival_rate, 4),
-            None if d.forecast_rps is None else round(d.forecast_rps, 4),
-            round(min(s.projected_ttft_s, 1e9), 4), round(s.kv_usage_mean, 4), s.queued_requests, d.reason,
-            d.batch_allowed, round(d.batch_tokens_per_s, 4)))
+        self.records.append(
+            ScalingRecord(
+                round(now, 6),
+                d.desired,
+                round(d.need, 4),
+                s.ready,
+                s.starting,
+                s.draining,
+                round(s.arrival_rate, 4),
+                None if d.forecast_rps is None else round(d.forecast_rps, 4),
+                round(min(s.projected_ttft_s, 1e9), 4),
+                round(s.kv_usage_mean, 4),
+                s.queued_requests,
+                d.reason,
+                d.batch_allowed,
+                round(d.batch_tokens_per_s, 4),
+            )
+        )
 
 
 def _interactive_share(spec: WorkloadSpec, batch_tiers: tuple[str, ...]) -> float:
     total = sum(spec.tiers.values())
     return sum(w for t, w in spec.tiers.items() if t not in batch_tiers) / total
-

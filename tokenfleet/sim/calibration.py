@@ -1,6 +1,7 @@
 """Calibrating the cost model on a real engine: record each step's batch (what the scheduler planned) and its
 measured duration, fit the step-time coefficients by least squares, and replay a workload on the real engine in
 real time to compare with the simulator."""
+
 from __future__ import annotations
 
 import bisect
@@ -14,8 +15,7 @@ from tokenfleet.engine.engine import Engine
 from tokenfleet.engine.request import SamplingParams
 from tokenfleet.sim.cost_model import CostModel, StepBatch, StepCoefficients
 
-FEATURES = ("overhead_s", "per_sequence_s", "per_token_s", "per_attention_pair_s", "per_kv_token_s",
-            "swap_per_block_s")
+FEATURES = ("overhead_s", "per_sequence_s", "per_token_s", "per_attention_pair_s", "per_kv_token_s", "swap_per_block_s")
 
 
 def features(batch: StepBatch) -> list[float]:
@@ -112,8 +112,12 @@ def replay(engine: Engine, arrivals: list[Arrival], clock: str = "cpu") -> Measu
             now = time.perf_counter() - start
         while i < len(pending) and pending[i].at <= now:
             a = pending[i]
-            engine.add_request(a.prompt, SamplingParams(max_tokens=a.max_tokens, ignore_eos=True, detokenize=False),
-                               request_id=a.rid, priority=a.priority)
+            engine.add_request(
+                a.prompt,
+                SamplingParams(max_tokens=a.max_tokens, ignore_eos=True, detokenize=False),
+                request_id=a.rid,
+                priority=a.priority,
+            )
             i += 1
         if not engine.has_unfinished():
             if clock == "wall":
@@ -146,8 +150,11 @@ def fit_error(coefficients: StepCoefficients, batches: list[StepBatch], duration
     model = CostModel(coefficients)
     predicted = [model.step_time(b) for b in batches]
     errors = [abs(p - d) / d for p, d in zip(predicted, durations) if d > 0]
-    return {"steps": len(durations), "mean_abs_rel_error": sum(errors) / len(errors),
-            "total_predicted_over_measured": sum(predicted) / sum(durations)}
+    return {
+        "steps": len(durations),
+        "mean_abs_rel_error": sum(errors) / len(errors),
+        "total_predicted_over_measured": sum(predicted) / sum(durations),
+    }
 
 
 def residual_ratios(coefficients: StepCoefficients, batches: list[StepBatch], durations: list[float]) -> list[float]:
@@ -197,6 +204,7 @@ class ScatteredCostModel(_RescaledCostModel):
 class MachineNoise:
     """How measured steps strayed from the cost model, in two parts: the machine's speed per window of the
     engine's clock (measured / predicted, in time order), and each step's ratio to its window's speed."""
+
     window_s: float
     drift: list[float]
     ratios: list[float]
@@ -292,16 +300,25 @@ def simulate(arrivals: list[Arrival], spec, cost, clock=None) -> Measured:
     `clock`: the SimClock to run on (a cost model that reads the simulated time shares it)."""
     from tokenfleet.engine.kv_blocks import prefix_block_hashes
     from tokenfleet.sim.events import EventQueue, SimClock
-    from tokenfleet.sim.records import SimRequest
     from tokenfleet.sim.replica import SimReplica
+    from tokenfleet.sim.request import SimRequest
 
     result = Measured()
     events = EventQueue(clock or SimClock())
     replica = SimReplica("sim", spec, cost, events, _Sink(result))
     for i, a in enumerate(arrivals):
         output = [(i * 7919 + k) % 1000 for k in range(a.max_tokens)]  # never matched by another request
-        sreq = SimRequest(a.rid, "paid", "org", "user", a.priority, a.prompt, output,
-                          prefix_block_hashes(a.prompt, spec.block_size), a.at)
+        sreq = SimRequest(
+            a.rid,
+            "paid",
+            "org",
+            "user",
+            a.priority,
+            a.prompt,
+            output,
+            prefix_block_hashes(a.prompt, spec.block_size),
+            a.at,
+        )
         events.at(a.at, replica.add, sreq)
     events.run()
     result.makespan_s = events.clock.now

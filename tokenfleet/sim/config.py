@@ -5,6 +5,7 @@ parallel degree, unknown keys).
 Three layouts: a fixed fleet (`fleet.replicas`), one whose size the project's autoscaler sets while it runs
 (`autoscale:`), and separate prefill and decode pools (`disagg:`). `experiment:` is left to the bench scripts that
 read the same file (bench/sim_experiments.py)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,14 +14,14 @@ from pathlib import Path
 import yaml
 
 from tokenfleet.autoscale.settings import AutoscaleSettings
-from tokenfleet.dispatch.tiers import default_tiers
-from tokenfleet.settings import section
 from tokenfleet.dispatch.overload import OverloadSettings
+from tokenfleet.dispatch.tiers import default_tiers
 from tokenfleet.engine.scheduler import SchedulerConfig
+from tokenfleet.router.policy import POLICIES
+from tokenfleet.settings import section
 from tokenfleet.sim.autoscaling import POOL, ScalingSetup
 from tokenfleet.sim.cost_model import CostModel, StepCoefficients, kv_cache_blocks, roofline
 from tokenfleet.sim.disagg import DisaggFleet, DisaggSpec
-from tokenfleet.router.policy import POLICIES
 from tokenfleet.sim.fleet import Fleet, FleetSetup
 from tokenfleet.sim.hardware import GB, Hardware, hardware
 from tokenfleet.sim.metrics import Slo
@@ -29,18 +30,54 @@ from tokenfleet.sim.numbers import is_finite, is_whole
 from tokenfleet.sim.replica import ReplicaSpec
 from tokenfleet.sim.workload import REAL, TIERS, WHOLE, Burst, WorkloadSpec
 
-TOP = {"seed", "duration_s", "warmup_s", "drain_s", "fleet", "engine", "routing", "workload", "gateway", "slo",
-       "autoscale", "disagg", "experiment"}
-FLEET = {"replicas", "gpu", "tensor_parallel", "model", "weight_dtype", "kv_dtype", "hardware", "cost",
-         "swap_space_gib"}
-ENGINE = {"max_num_seqs", "max_num_batched_tokens", "block_size", "swap_threshold_tokens", "watermark",
-          "enable_prefix_caching", "num_blocks", "fast"}
+TOP = {
+    "seed",
+    "duration_s",
+    "warmup_s",
+    "drain_s",
+    "fleet",
+    "engine",
+    "routing",
+    "workload",
+    "gateway",
+    "slo",
+    "autoscale",
+    "disagg",
+    "experiment",
+}
+FLEET = {
+    "replicas",
+    "gpu",
+    "tensor_parallel",
+    "model",
+    "weight_dtype",
+    "kv_dtype",
+    "hardware",
+    "cost",
+    "swap_space_gib",
+}
+ENGINE = {
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "block_size",
+    "swap_threshold_tokens",
+    "watermark",
+    "enable_prefix_caching",
+    "num_blocks",
+    "fast",
+}
 ROUTING = {"policy", "load_bound", "affinity"}
 GATEWAY = {"quota", "slots_per_replica", "quantum_tokens", "load_interval_s", "overload"}
 SLO = {"ttft_s", "tpot_s"}
 AUTOSCALE = {"cold_start_s", "settings"}
-DISAGG = {"prefill_replicas", "decode_replicas", "link_gb_per_s", "link_efficiency", "transfer_latency_s",
-          "prefill_batched_tokens"}
+DISAGG = {
+    "prefill_replicas",
+    "decode_replicas",
+    "link_gb_per_s",
+    "link_efficiency",
+    "transfer_latency_s",
+    "prefill_batched_tokens",
+}
 MIN_LOAD_INTERVAL_S = 0.001  # the router's load poll: shorter ones only multiply the simulated events (1e-9 hung)
 DEFAULT_TTFT = {"enterprise": 1.0, "paid": 2.0, "free": 5.0, "batch": 600.0}
 
@@ -100,8 +137,15 @@ def _keys(raw: dict | None, known: set[str], where: str) -> dict:
     return raw
 
 
-def _number(value, where: str, integer: bool = False, low: float | None = None, high: float | None = None,
-            above: bool = False, below: bool = False):
+def _number(
+    value,
+    where: str,
+    integer: bool = False,
+    low: float | None = None,
+    high: float | None = None,
+    above: bool = False,
+    below: bool = False,
+):
     """`value` as a finite number (a whole one when `integer`) from `low` to `high` (excluded when `above` /
     `below`), else a ValueError naming `where`. PyYAML reads 1e6 and 8.0e9 as strings (YAML 1.1): a string that
     float() reads is that number."""
@@ -158,20 +202,31 @@ def parse(raw: dict, seed: int | None = None) -> FleetSetup:
     if policy not in POLICIES:
         raise ValueError(f"routing.policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     return FleetSetup(
-        replicas=_positive(fleet.get("replicas", 1), "fleet.replicas", integer=True), spec=spec, cost=cost,
-        workload=workload, tiers=default_tiers(), slo=_slo(raw.get("slo")), duration_s=float(duration),
-        seed=_number(raw.get("seed", 0), "seed", integer=True) if seed is None else seed, warmup_s=float(warmup),
-        drain_s=float(_positive(raw.get("drain_s", 120), "drain_s", zero=True)), policy=policy,
+        replicas=_positive(fleet.get("replicas", 1), "fleet.replicas", integer=True),
+        spec=spec,
+        cost=cost,
+        workload=workload,
+        tiers=default_tiers(),
+        slo=_slo(raw.get("slo")),
+        duration_s=float(duration),
+        seed=_number(raw.get("seed", 0), "seed", integer=True) if seed is None else seed,
+        warmup_s=float(warmup),
+        drain_s=float(_positive(raw.get("drain_s", 120), "drain_s", zero=True)),
+        policy=policy,
         load_bound=float(_number(routing.get("load_bound", 1.25), "routing.load_bound", low=1)),
         affinity=_flag(routing.get("affinity", True), "routing.affinity"),
         overload=section(OverloadSettings, gateway.get("overload"), "gateway.overload"),
         slots_per_replica=_positive(gateway.get("slots_per_replica", 256), "gateway.slots_per_replica", True),
         quantum_tokens=_positive(gateway.get("quantum_tokens", 2048), "gateway.quantum_tokens", True),
-        load_interval_s=float(_number(gateway.get("load_interval_s", 1.0), "gateway.load_interval_s",
-                                      low=MIN_LOAD_INTERVAL_S)),
-        quota=_flag(gateway.get("quota", True), "gateway.quota"), fast=_flag(engine.get("fast", True), "engine.fast"),
-        gpus_per_replica=describe["tensor_parallel"], kv_bytes_per_token=model.kv_bytes_per_token(describe["kv_dtype"]),
-        describe=describe)
+        load_interval_s=float(
+            _number(gateway.get("load_interval_s", 1.0), "gateway.load_interval_s", low=MIN_LOAD_INTERVAL_S)
+        ),
+        quota=_flag(gateway.get("quota", True), "gateway.quota"),
+        fast=_flag(engine.get("fast", True), "engine.fast"),
+        gpus_per_replica=describe["tensor_parallel"],
+        kv_bytes_per_token=model.kv_bytes_per_token(describe["kv_dtype"]),
+        describe=describe,
+    )
 
 
 def _scaling(raw) -> ScalingSetup:
@@ -179,8 +234,9 @@ def _scaling(raw) -> ScalingSetup:
     settings = section(AutoscaleSettings, raw.get("settings"), "autoscale.settings")
     unknown = sorted(set(settings.pools) - {POOL})
     if unknown:
-        raise ValueError(f"autoscale.settings.pools: the simulated fleet is one pool named {POOL!r}, "
-                         f"not {', '.join(unknown)}")
+        raise ValueError(
+            f"autoscale.settings.pools: the simulated fleet is one pool named {POOL!r}, not {', '.join(unknown)}"
+        )
     cold = _positive(raw.get("cold_start_s", settings.cold_start_s), "autoscale.cold_start_s", zero=True)
     return ScalingSetup(settings, cold_start_s=float(cold))
 
@@ -198,7 +254,8 @@ def _disagg(raw, setup: FleetSetup) -> DisaggSpec:
         float(_positive(raw.get("link_gb_per_s", 50), "disagg.link_gb_per_s")) * GB,
         float(_number(raw.get("link_efficiency", 0.8), "disagg.link_efficiency", low=0, high=1, above=True)),
         float(_positive(raw.get("transfer_latency_s", 0.002), "disagg.transfer_latency_s", zero=True)),
-        None if budget is None else _positive(budget, "disagg.prefill_batched_tokens", integer=True))
+        None if budget is None else _positive(budget, "disagg.prefill_batched_tokens", integer=True),
+    )
     if setup.workload.cancel_probability > 0:
         raise ValueError("disagg does not model cancellations: set workload.cancel_probability to 0")
     return spec
@@ -207,8 +264,11 @@ def _disagg(raw, setup: FleetSetup) -> DisaggSpec:
 def _model(raw) -> ModelShape:
     if isinstance(raw, str):
         return model_shape(raw)
-    raw = _keys(raw, {"name", "params", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-                      "max_model_len"}, "fleet.model")
+    raw = _keys(
+        raw,
+        {"name", "params", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "max_model_len"},
+        "fleet.model",
+    )
     raw = {k: v if k == "name" else _positive(v, f"fleet.model.{k}", integer=k != "params") for k, v in raw.items()}
     try:
         return ModelShape(**{"name": "custom", **raw})
@@ -222,8 +282,12 @@ def _replica(fleet: dict, engine: dict, model: ModelShape) -> tuple[ReplicaSpec,
     overrides = {} if overrides is None else overrides
     if not isinstance(overrides, dict):
         raise ValueError(f"fleet.hardware must be a mapping of hardware settings, got {overrides!r}")
-    overrides = {k: _number(v, f"fleet.hardware.{k}", integer=k == "max_tp")
-                 if k in Hardware.__dataclass_fields__ and k != "name" else v for k, v in overrides.items()}
+    overrides = {
+        k: _number(v, f"fleet.hardware.{k}", integer=k == "max_tp")
+        if k in Hardware.__dataclass_fields__ and k != "name"
+        else v
+        for k, v in overrides.items()
+    }
     try:
         gpu = gpu.with_overrides(**overrides)  # checks the values (division by zero, shares above 1)
     except ValueError as e:
@@ -240,8 +304,10 @@ def _replica(fleet: dict, engine: dict, model: ModelShape) -> tuple[ReplicaSpec,
         blocks = _positive(engine["num_blocks"], "engine.num_blocks", integer=True)
         one_sequence = -(-model.max_model_len // block_size)
         if blocks < one_sequence:
-            raise ValueError(f"engine.num_blocks must be at least {one_sequence}: one {model.max_model_len}-token "
-                             f"sequence needs {one_sequence} blocks of {block_size} tokens, got {blocks}")
+            raise ValueError(
+                f"engine.num_blocks must be at least {one_sequence}: one {model.max_model_len}-token "
+                f"sequence needs {one_sequence} blocks of {block_size} tokens, got {blocks}"
+            )
     cost = fleet.get("cost")
     if cost is not None:
         cost = _keys(cost, set(StepCoefficients.__dataclass_fields__), "fleet.cost")
@@ -256,23 +322,40 @@ def _replica(fleet: dict, engine: dict, model: ModelShape) -> tuple[ReplicaSpec,
     host_blocks = int(swap_gib * (1 << 30) // (block_size * model.kv_bytes_per_token(kv_dtype)))
     scheduler = SchedulerConfig(
         max_num_seqs=_positive(engine.get("max_num_seqs", 256), "engine.max_num_seqs", integer=True),
-        max_num_batched_tokens=_positive(engine.get("max_num_batched_tokens", 2048),
-                                         "engine.max_num_batched_tokens", integer=True),
-        swap_threshold_tokens=_positive(engine.get("swap_threshold_tokens", 512), "engine.swap_threshold_tokens",
-                                        integer=True, zero=True))
+        max_num_batched_tokens=_positive(
+            engine.get("max_num_batched_tokens", 2048), "engine.max_num_batched_tokens", integer=True
+        ),
+        swap_threshold_tokens=_positive(
+            engine.get("swap_threshold_tokens", 512), "engine.swap_threshold_tokens", integer=True, zero=True
+        ),
+    )
     watermark = float(_number(engine.get("watermark", 0.01), "engine.watermark", low=0, high=1, below=True))
-    spec = ReplicaSpec(blocks, block_size, host_blocks, watermark,
-                       _flag(engine.get("enable_prefix_caching", True), "engine.enable_prefix_caching"),
-                       model.max_model_len, scheduler)
+    spec = ReplicaSpec(
+        blocks,
+        block_size,
+        host_blocks,
+        watermark,
+        _flag(engine.get("enable_prefix_caching", True), "engine.enable_prefix_caching"),
+        model.max_model_len,
+        scheduler,
+    )
     cost_model = CostModel(coefficients)
     if not cost_model.prefill_time(2048) > 0:  # the fleet's prefill rate is 2048 tokens / this
-        raise ValueError("fleet.cost: a 2048-token prefill takes no time with these coefficients; give overhead_s, "
-                         "per_token_s or weights_s a value > 0")
-    describe = {"model": model.name, "gpu": gpu.name, "tensor_parallel": tp, "weight_dtype": weight_dtype,
-                "kv_dtype": kv_dtype, "kv_cache_tokens_per_replica": blocks * block_size,
-                "weights_gb": round(model.weight_bytes(weight_dtype) / GB, 1),
-                "decode_step_ms_batch64_ctx2k": round(cost_model.decode_step_time(64, 2000) * 1000, 2),
-                "prefill_ms_2048_tokens": round(cost_model.prefill_time(2048) * 1000, 2)}
+        raise ValueError(
+            "fleet.cost: a 2048-token prefill takes no time with these coefficients; give overhead_s, "
+            "per_token_s or weights_s a value > 0"
+        )
+    describe = {
+        "model": model.name,
+        "gpu": gpu.name,
+        "tensor_parallel": tp,
+        "weight_dtype": weight_dtype,
+        "kv_dtype": kv_dtype,
+        "kv_cache_tokens_per_replica": blocks * block_size,
+        "weights_gb": round(model.weight_bytes(weight_dtype) / GB, 1),
+        "decode_step_ms_batch64_ctx2k": round(cost_model.decode_step_time(64, 2000) * 1000, 2),
+        "prefill_ms_2048_tokens": round(cost_model.prefill_time(2048) * 1000, 2),
+    }
     return spec, cost_model, describe
 
 
@@ -290,9 +373,13 @@ def _workload(raw: dict | None, max_model_len: int) -> WorkloadSpec:
         if missing:
             raise ValueError(f"workload.bursts[{i}]: missing {', '.join(missing)}")
         where = f"workload.bursts[{i}]"
-        parsed.append(Burst(float(_positive(b["at_s"], f"{where}.at_s", zero=True)),
-                            float(_positive(b["duration_s"], f"{where}.duration_s")),
-                            float(_positive(b["multiplier"], f"{where}.multiplier", zero=True))))
+        parsed.append(
+            Burst(
+                float(_positive(b["at_s"], f"{where}.at_s", zero=True)),
+                float(_positive(b["duration_s"], f"{where}.duration_s")),
+                float(_positive(b["multiplier"], f"{where}.multiplier", zero=True)),
+            )
+        )
     if "tiers" in raw and not isinstance(raw["tiers"], dict):
         raise ValueError("workload.tiers must map tier names to shares")
     for name in set(WHOLE) & set(raw):  # the types here (YAML's 1e6 is a string); the ranges in WorkloadSpec
@@ -305,11 +392,14 @@ def _workload(raw: dict | None, max_model_len: int) -> WorkloadSpec:
     if isinstance(tokens, list):
         raw["system_prompt_tokens"] = [_number(t, "workload.system_prompt_tokens", integer=True) for t in tokens]
     if raw.setdefault("max_model_len", max_model_len) > max_model_len:
-        raise ValueError(f"workload.max_model_len must be at most the model's context, {max_model_len} tokens, "
-                         f"got {raw['max_model_len']}")
+        raise ValueError(
+            f"workload.max_model_len must be at most the model's context, {max_model_len} tokens, "
+            f"got {raw['max_model_len']}"
+        )
     workload = section(WorkloadSpec, raw, "workload")
-    return WorkloadSpec(**{**{f: getattr(workload, f) for f in WorkloadSpec.__dataclass_fields__},
-                           "bursts": tuple(parsed)})
+    return WorkloadSpec(
+        **{**{f: getattr(workload, f) for f in WorkloadSpec.__dataclass_fields__}, "bursts": tuple(parsed)}
+    )
 
 
 def _slo(raw: dict | None) -> Slo:

@@ -7,6 +7,7 @@ prefill is bound by — and memory = (weight bytes + KV bytes read) / (TP x HBM 
 decode is bound by. On a GPU the two overlap (combine = max); a calibration on a CPU may fit combine = sum.
 Everything reduces to a handful of coefficients (StepCoefficients), which a calibration can also fit directly.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -75,8 +76,14 @@ class CostModel:
         compute = c.per_token_s * batch.tokens + c.per_attention_pair_s * batch.attention_pairs
         memory = c.weights_s + c.per_kv_token_s * batch.kv_tokens_read
         core = max(compute, memory) if c.combine == "max" else compute + memory
-        return (c.overhead_s + c.per_sequence_s * batch.sequences + core + c.allreduce_per_step_s
-                + c.allreduce_per_token_s * batch.tokens + c.swap_per_block_s * batch.swapped_blocks)
+        return (
+            c.overhead_s
+            + c.per_sequence_s * batch.sequences
+            + core
+            + c.allreduce_per_step_s
+            + c.allreduce_per_token_s * batch.tokens
+            + c.swap_per_block_s * batch.swapped_blocks
+        )
 
     def decode_time(self, sequences: int, contexts: int) -> float:
         """step_time of a step of `sequences` decodes attending to `contexts` tokens in all (the hot path)."""
@@ -84,8 +91,13 @@ class CostModel:
         compute = c.per_token_s * sequences + c.per_attention_pair_s * contexts
         memory = c.weights_s + c.per_kv_token_s * contexts
         core = (compute if compute > memory else memory) if c.combine == "max" else compute + memory
-        return (c.overhead_s + c.per_sequence_s * sequences + core + c.allreduce_per_step_s
-                + c.allreduce_per_token_s * sequences)
+        return (
+            c.overhead_s
+            + c.per_sequence_s * sequences
+            + core
+            + c.allreduce_per_step_s
+            + c.allreduce_per_token_s * sequences
+        )
 
     def decode_times(self, sequences: int, contexts: int, growth: int, count: int) -> list[float]:
         """decode_time(sequences, contexts + k x growth) for k = 0 .. count - 1: the steps of a run of decodes
@@ -118,8 +130,9 @@ class CostModel:
         return self.step_time(batch)
 
 
-def roofline(model: ModelShape, hw: Hardware, weight_dtype: str, kv_dtype: str, tp: int,
-             block_size: int = 16) -> StepCoefficients:
+def roofline(
+    model: ModelShape, hw: Hardware, weight_dtype: str, kv_dtype: str, tp: int, block_size: int = 16
+) -> StepCoefficients:
     """The coefficients of `model` on `tp` GPUs of kind `hw`, from peak rates and efficiencies."""
     flops = hw.flops(weight_dtype) * tp
     bandwidth = hw.hbm_bytes_per_s * hw.bandwidth_efficiency * tp
@@ -136,14 +149,15 @@ def roofline(model: ModelShape, hw: Hardware, weight_dtype: str, kv_dtype: str, 
         weights_s=model.weight_bytes(weight_dtype) / bandwidth,
         per_kv_token_s=kv_token / bandwidth,
         allreduce_per_step_s=allreduces * hw.allreduce_latency_s if tp > 1 else 0.0,
-        allreduce_per_token_s=(allreduces * per_token_payload / (hw.link_bytes_per_s * hw.link_efficiency)
-                               if tp > 1 else 0.0),
+        allreduce_per_token_s=(
+            allreduces * per_token_payload / (hw.link_bytes_per_s * hw.link_efficiency) if tp > 1 else 0.0
+        ),
         swap_per_block_s=block_size * kv_token / PCIE_BYTES_PER_S,
-        combine="max")
+        combine="max",
+    )
 
 
-def kv_cache_blocks(model: ModelShape, hw: Hardware, weight_dtype: str, kv_dtype: str, tp: int,
-                    block_size: int) -> int:
+def kv_cache_blocks(model: ModelShape, hw: Hardware, weight_dtype: str, kv_dtype: str, tp: int, block_size: int) -> int:
     """Blocks of KV cache left on the replica's GPUs after the weights and activations; raises when the model
     does not fit at this tensor-parallel degree."""
     check_tp(model, hw, tp)
@@ -157,7 +171,8 @@ def kv_cache_blocks(model: ModelShape, hw: Hardware, weight_dtype: str, kv_dtype
         raise ValueError(
             f"{model.name} in {weight_dtype} ({weights / 1e9:.0f} GB of weights) does not fit on {tp} x "
             f"{hw.name} ({usable / 1e9:.0f} GB usable): {max(blocks, 0)} KV blocks left, one "
-            f"{model.max_model_len}-token sequence needs {one_sequence}; raise tensor_parallel or use fp8")
+            f"{model.max_model_len}-token sequence needs {one_sequence}; raise tensor_parallel or use fp8"
+        )
     return blocks
 
 
@@ -169,5 +184,7 @@ def check_tp(model: ModelShape, hw: Hardware, tp: int) -> None:
     # each GPU holds whole KV heads (kv_cache_blocks splits the KV cache over the GPUs; replicated heads are not
     # modelled), so tensor_parallel may not exceed num_kv_heads
     if model.num_heads % tp or model.num_kv_heads % tp:
-        raise ValueError(f"{model.name}: {model.num_heads} attention heads / {model.num_kv_heads} KV heads do not "
-                         f"split over tensor_parallel {tp} (it must divide both)")
+        raise ValueError(
+            f"{model.name}: {model.num_heads} attention heads / {model.num_kv_heads} KV heads do not "
+            f"split over tensor_parallel {tp} (it must divide both)"
+        )

@@ -16,6 +16,7 @@ inter-token gap, so the time-per-output-token SLO sees it.
 
 Cancellations are not modelled in this layout (the workload must have cancel_probability 0).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -23,9 +24,8 @@ from dataclasses import dataclass, replace
 from tokenfleet.engine.request import Request, SamplingParams
 from tokenfleet.sim.fleet import Fleet, FleetSetup, make_policy
 from tokenfleet.sim.hardware import GB
-from tokenfleet.sim.records import SimRequest
 from tokenfleet.sim.replica import SimReplica
-
+from tokenfleet.sim.request import SimRequest
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,9 @@ class DisaggSpec:
             raise ValueError("link_bytes_per_s > 0, 0 < link_efficiency <= 1 and transfer_latency_s >= 0")
 
     def transfer_s(self, tokens: int) -> float:
-        return self.transfer_latency_s + tokens * self.kv_bytes_per_token / (self.link_bytes_per_s
-                                                                              * self.link_efficiency)
+        return self.transfer_latency_s + tokens * self.kv_bytes_per_token / (
+            self.link_bytes_per_s * self.link_efficiency
+        )
 
 
 @dataclass(eq=False)
@@ -67,8 +68,8 @@ class DisaggFleet(Fleet):
         super().__init__(replace(setup, replicas=total))
         self.spec = spec
         self._replace_prefill_pool()
-        self.prefill = self.replicas[:spec.prefill_replicas]
-        self.decode = self.replicas[spec.prefill_replicas:]
+        self.prefill = self.replicas[: spec.prefill_replicas]
+        self.decode = self.replicas[spec.prefill_replicas :]
         self.states = [r.state for r in self.prefill]  # the gateway's router picks among the prefill pool
         self.decode_policy = make_policy("least_loaded", setup.spec.block_size, setup.load_bound)
         self.flights: dict[SimRequest, _Flight] = {}
@@ -89,11 +90,22 @@ class DisaggFleet(Fleet):
     # --- prefill ----------------------------------------------------------------------------------------------
 
     def _dispatch(self, sreq: SimRequest) -> None:
-        hashes = sreq.hashes[:len(sreq.prompt) // self.setup.spec.block_size]
+        hashes = sreq.hashes[: len(sreq.prompt) // self.setup.spec.block_size]
         affinity = f"conv-{sreq.conversation}" if self.setup.affinity else None
         replica = self.by_name[self.policy.choose(self.states, sreq.prompt, affinity, hashes).replica]
-        stage = SimRequest(f"{sreq.rid}/prefill", sreq.tier, sreq.tenant, sreq.user, sreq.priority, sreq.prompt,
-                           sreq.output[:1], sreq.hashes, sreq.arrival, sreq.conversation, sreq.turn)
+        stage = SimRequest(
+            f"{sreq.rid}/prefill",
+            sreq.tier,
+            sreq.tenant,
+            sreq.user,
+            sreq.priority,
+            sreq.prompt,
+            sreq.output[:1],
+            sreq.hashes,
+            sreq.arrival,
+            sreq.conversation,
+            sreq.turn,
+        )
         self.flights[stage] = _Flight(sreq, stage)
         replica.state.in_flight += 1
         self.in_flight += 1
@@ -123,9 +135,10 @@ class DisaggFleet(Fleet):
 
     def _transfer(self, flight: _Flight, now: float) -> None:
         sreq = flight.sreq
-        hashes = sreq.hashes[:len(sreq.prompt) // self.setup.spec.block_size]
-        flight.decode = decode = self.by_name[self.decode_policy.choose(
-            [r.state for r in self.decode], sreq.prompt, None, hashes).replica]
+        hashes = sreq.hashes[: len(sreq.prompt) // self.setup.spec.block_size]
+        flight.decode = decode = self.by_name[
+            self.decode_policy.choose([r.state for r in self.decode], sreq.prompt, None, hashes).replica
+        ]
         decode.state.in_flight += 1
         took = self.spec.transfer_s(len(sreq.prompt))
         done = max(now, self.link_free_at[decode.name]) + took
@@ -139,9 +152,19 @@ class DisaggFleet(Fleet):
         sreq, decode = flight.sreq, flight.decode
         flight.holder = install_kv(decode, sreq)
         self.recomputed += flight.holder is None
-        stage = SimRequest(f"{sreq.rid}/decode", sreq.tier, sreq.tenant, sreq.user, sreq.priority,
-                           sreq.prompt + sreq.output[:1], sreq.output[1:sreq.max_tokens], sreq.hashes, sreq.arrival,
-                           sreq.conversation, sreq.turn)
+        stage = SimRequest(
+            f"{sreq.rid}/decode",
+            sreq.tier,
+            sreq.tenant,
+            sreq.user,
+            sreq.priority,
+            sreq.prompt + sreq.output[:1],
+            sreq.output[1 : sreq.max_tokens],
+            sreq.hashes,
+            sreq.arrival,
+            sreq.conversation,
+            sreq.turn,
+        )
         flight.stage = stage
         self.flights[stage] = flight
         decode.add(stage)
@@ -167,14 +190,9 @@ def install_kv(replica: SimReplica, sreq: SimRequest) -> Request | None:
     full = len(sreq.prompt) // size * size
     if not full:
         return None
-    holder = Request(f"{sreq.rid}/kv", sreq.prompt[:full], SamplingParams(max_tokens=1, ignore_eos=True,
-                                                                          detokenize=False))
-    holder.block_hashes = sreq.hashes[:full // size]
-    hits = blocks.match_prefix(holder)
-    new = full - len(hits) * size
-    if not blocks.can_admit(blocks.admission_cost(holder, hits, new)):
+    params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
+    holder = Request(f"{sreq.rid}/kv", sreq.prompt[:full], params, block_hashes=sreq.hashes[: full // size])
+    if not blocks.allocate(holder, full):
         return None
-    blocks.admit(holder, hits, new)
-    holder.num_computed_tokens = full
-    blocks.cache_full_blocks(holder)
+    blocks.mark_computed(holder, full)  # the transfer wrote its KV
     return holder

@@ -1,11 +1,12 @@
 """The simulated clock and the event queue: a heap of (time, sequence, callback). Equal times run in the order
 they were scheduled, so a run is a pure function of its inputs and seed."""
+
 from __future__ import annotations
 
 import gc
 import heapq
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 
 class SimClock:
@@ -52,9 +53,6 @@ class EventQueue:
     def after(self, delay: float, callback: Callable, *args) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (self.clock.now + max(delay, 0.0), self._seq, callback, args))
-
-    def next_time(self) -> float | None:
-        return self._heap[0][0] if self._heap else None
 
     def run(self, until: float | None = None) -> None:
         heap, clock, pop = self._heap, self.clock, heapq.heappop

@@ -1,22 +1,24 @@
 """The fleet in simulated time: conversations arrive at a gateway (ladder, quota, fair queue), the router's real
 policy picks a replica, replicas step their real schedulers, and answers bring the next turn after a pause."""
+
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
 
-from tokenfleet.dispatch.tiers import TierConfig
 from tokenfleet.dispatch.overload import OverloadLadder, OverloadSettings
 from tokenfleet.dispatch.queue import Dispatcher
+from tokenfleet.dispatch.tiers import TierConfig
 from tokenfleet.quota.memory import MemoryQuota
 from tokenfleet.router.policy import make_policy
 from tokenfleet.sim.cost_model import CostModel
 from tokenfleet.sim.events import EventQueue, SimClock
 from tokenfleet.sim.gateway import SimGateway
 from tokenfleet.sim.metrics import Metrics, Slo
-from tokenfleet.sim.records import SimRequest
 from tokenfleet.sim.replica import ReplicaSpec, SimReplica
+from tokenfleet.sim.request import SimRequest
 from tokenfleet.sim.workload import Conversation, Workload, WorkloadSpec
+
 
 @dataclass
 class FleetSetup:
@@ -50,22 +52,27 @@ class Fleet:
         self.clock = SimClock()
         self.events = EventQueue(self.clock)
         self.metrics = Metrics(s.slo, since=s.warmup_s)
-        self.replicas = [SimReplica(f"replica-{i}", s.spec, s.cost, self.events, self, s.fast)
-                         for i in range(s.replicas)]
+        self.replicas = [
+            SimReplica(f"replica-{i}", s.spec, s.cost, self.events, self, s.fast) for i in range(s.replicas)
+        ]
         self.by_name = {r.name: r for r in self.replicas}
         self.states = [r.state for r in self.replicas]  # the replicas the router may choose: not draining
         self.draining: set[str] = set()
         self._next_replica = s.replicas
         self.policy = make_policy(s.policy, s.spec.block_size, s.load_bound)
-        self.gateway = SimGateway(s.tiers, self.clock, OverloadLadder(s.overload, self.clock),
-                                  Dispatcher(s.tiers, s.slots_per_replica * s.replicas, s.quantum_tokens,
-                                             clock=self.clock),
-                                  MemoryQuota(clock=self.clock) if s.quota else None)
+        self.gateway = SimGateway(
+            s.tiers,
+            self.clock,
+            OverloadLadder(s.overload, self.clock),
+            Dispatcher(s.tiers, s.slots_per_replica * s.replicas, s.quantum_tokens, clock=self.clock),
+            MemoryQuota(clock=self.clock) if s.quota else None,
+        )
         self.workload = Workload(s.workload, s.seed, s.spec.block_size)
         self.prefill_tokens_per_s = 2048 / s.cost.prefill_time(2048)
         self.conversations: dict[int, Conversation] = {}
-        self.capacity_tokens = (s.spec.num_blocks - max(1, int(s.spec.watermark * s.spec.num_blocks))) \
-            * s.spec.block_size
+        self.capacity_tokens = (
+            s.spec.num_blocks - max(1, int(s.spec.watermark * s.spec.num_blocks))
+        ) * s.spec.block_size
         self.in_flight = 0
         self.requests_seen = 0  # every turn that arrived, warm-up included
         self.max_level = 0
@@ -80,7 +87,7 @@ class Fleet:
     def end_s(self) -> float:
         return self.setup.duration_s + self.setup.drain_s
 
-    def run(self) -> "Fleet":
+    def run(self) -> Fleet:
         self.events.at(self.workload.next_start(), self._conversation_starts)
         self.events.at(0.0, self._load_tick)
         self.events.run(until=self.end_s)
@@ -122,7 +129,7 @@ class Fleet:
 
     def _dispatch(self, sreq: SimRequest) -> None:
         """The request has its slot: the router picks the replica, which queues it for its next step."""
-        hashes = sreq.hashes[:len(sreq.prompt) // self.setup.spec.block_size]
+        hashes = sreq.hashes[: len(sreq.prompt) // self.setup.spec.block_size]
         affinity = f"conv-{sreq.conversation}" if self.setup.affinity else None
         choice = self.policy.choose(self.states, sreq.prompt, affinity, hashes)
         replica = self.by_name[choice.replica]
@@ -179,8 +186,9 @@ class Fleet:
     def _load_tick(self) -> None:
         queued = sum(r.report().queued_tokens for r in self.replicas)
         interval = self.setup.load_interval_s
-        level = self.gateway.update_load(len(self.states), self.setup.slots_per_replica, queued,
-                                         self.prefill_tokens_per_s)
+        level = self.gateway.update_load(
+            len(self.states), self.setup.slots_per_replica, queued, self.prefill_tokens_per_s
+        )
         self.max_level = max(self.max_level, level)
         self.level_seconds[level] += interval
         if self.clock.now + interval < self.end_s:

@@ -1,19 +1,20 @@
 """The gateway's admission in simulated time, with the real pieces: the overload ladder (shed before any GPU time),
 the token quota (MemoryQuota on the simulated clock), and the dispatcher's fair queue (Dispatcher.submit).
 The order and the arithmetic follow tokenfleet/gateway/admission.py."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-from tokenfleet.dispatch.tiers import TierConfig
 from tokenfleet.dispatch.overload import LoadSignal, OverloadLadder
-from tokenfleet.dispatch.queue import Dispatcher
-from tokenfleet.dispatch.records import Slot, Ticket
-from tokenfleet.quota.base import Scope
+from tokenfleet.dispatch.queue import Dispatcher, Submission
+from tokenfleet.dispatch.tickets import Slot, Ticket
+from tokenfleet.dispatch.tiers import TierConfig
+from tokenfleet.quota.base import Scope, scopes_for
 from tokenfleet.quota.memory import MemoryQuota
 from tokenfleet.sim.events import SimClock
-from tokenfleet.sim.records import SimRequest
+from tokenfleet.sim.request import SimRequest
 
 
 def run_now(coroutine):
@@ -46,11 +47,17 @@ class _Grant:
 
 
 class SimGateway:
-    def __init__(self, tiers: dict[str, TierConfig], clock: SimClock, ladder: OverloadLadder,
-                 dispatcher: Dispatcher, quota: MemoryQuota | None) -> None:
+    def __init__(
+        self,
+        tiers: dict[str, TierConfig],
+        clock: SimClock,
+        ladder: OverloadLadder,
+        dispatcher: Dispatcher,
+        quota: MemoryQuota | None,
+    ) -> None:
         self.tiers, self.clock, self.ladder, self.dispatcher, self.quota = tiers, clock, ladder, dispatcher, quota
         self._scopes: dict[tuple[str, str, str], tuple[Scope, Scope]] = {}
-        self._waiting: dict[SimRequest, object] = {}
+        self._waiting: dict[SimRequest, tuple[Submission, _Grant]] = {}
         self.batch_pace: float | None = None  # the autoscaler's batch gate (gateway/admission.py: Admission.batch_pace)
 
     def admit(self, sreq: SimRequest, on_slot: Callable[[SimRequest], None]) -> str | None:
@@ -70,7 +77,7 @@ class SimGateway:
         grant = _Grant(lambda slot: self._granted(sreq, slot, on_slot))
         handle = self.dispatcher.submit(Ticket(sreq.rid, sreq.tenant, sreq.tier, tokens), grant)
         if grant.slot is None:
-            self._waiting[sreq] = handle
+            self._waiting[sreq] = (handle, grant)
         return None
 
     @property
@@ -85,10 +92,11 @@ class SimGateway:
 
     def withdraw(self, sreq: SimRequest) -> bool:
         """The client left while queued: out of the fair queue. False if it was not waiting there."""
-        handle = self._waiting.pop(sreq, None)
-        if handle is None:
+        waiting = self._waiting.pop(sreq, None)
+        if waiting is None:
             return False
-        handle.future.cancelled = True
+        handle, grant = waiting
+        grant.cancelled = True
         self.dispatcher.withdraw(handle)
         return True
 
@@ -100,14 +108,22 @@ class SimGateway:
         if self.quota is not None and sreq.reservation is not None:
             run_now(self.quota.reconcile(sreq.reservation, used))
 
-    def update_load(self, replicas: int, slots_per_replica: int, replica_queued_tokens: int,
-                    prefill_tokens_per_s: float) -> int:
+    def update_load(
+        self, replicas: int, slots_per_replica: int, replica_queued_tokens: int, prefill_tokens_per_s: float
+    ) -> int:
         """What watch_load does every interval: size the pool, project TTFT, move the ladder, pause batch from
         level 1 and pace it to the autoscaler's batch gate."""
         self.dispatcher.set_slots(slots_per_replica * replicas)
         snap = self.dispatcher.snapshot()
-        level = self.ladder.update(LoadSignal(snap.served_queued_tokens, replica_queued_tokens, snap.in_use,
-                                              snap.slots, prefill_tokens_per_s * replicas))
+        level = self.ladder.update(
+            LoadSignal(
+                snap.served_queued_tokens,
+                replica_queued_tokens,
+                snap.in_use,
+                snap.slots,
+                prefill_tokens_per_s * replicas,
+            )
+        )
         self.ladder.apply(self.dispatcher, self.batch_pace)
         return level
 
@@ -116,6 +132,5 @@ class SimGateway:
         scopes = self._scopes.get(key)
         if scopes is None:
             tier = self.tiers[sreq.tier]
-            scopes = self._scopes[key] = (Scope(f"org:{sreq.tenant}", sreq.tenant, tier.org_limits),
-                                          Scope(f"user:{sreq.tenant}/{sreq.user}", sreq.tenant, tier.user_limits))
+            scopes = self._scopes[key] = scopes_for(sreq.tenant, sreq.user, tier.org_limits, tier.user_limits)
         return scopes

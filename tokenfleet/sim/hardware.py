@@ -4,6 +4,7 @@ Peaks are the vendors' dense (no sparsity) figures for the SXM parts. The effici
 reach in practice (MFU for large prefill GEMMs, share of HBM bandwidth for decode's streaming reads); they are the
 constants a calibration replaces, not measurements of this repository.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
@@ -48,7 +49,7 @@ class Hardware:
     def flops(self, weight_dtype: str) -> float:
         return self.flops_fp8 if weight_dtype == "fp8" else self.flops_fp16
 
-    def with_overrides(self, **changes) -> "Hardware":
+    def with_overrides(self, **changes) -> Hardware:
         unknown = sorted(set(changes) - set(self.__dataclass_fields__))
         if unknown:
             raise ValueError(f"unknown hardware setting(s) {', '.join(unknown)}")
@@ -56,16 +57,26 @@ class Hardware:
 
 
 # what each setting may be: > 0 (the default: rates, sizes, divisors) or >= 0, and at most `high` (shares)
-RANGES = {"allreduce_latency_s": (">=", None), "step_overhead_s": (">=", None), "per_sequence_s": (">=", None),
-          "activation_reserve_bytes": (">=", None), "mfu": (">", 1), "attention_mfu": (">", 1),
-          "bandwidth_efficiency": (">", 1), "link_efficiency": (">", 1), "memory_utilization": (">", 1)}
+RANGES = {
+    "allreduce_latency_s": (">=", None),
+    "step_overhead_s": (">=", None),
+    "per_sequence_s": (">=", None),
+    "activation_reserve_bytes": (">=", None),
+    "mfu": (">", 1),
+    "attention_mfu": (">", 1),
+    "bandwidth_efficiency": (">", 1),
+    "link_efficiency": (">", 1),
+    "memory_utilization": (">", 1),
+}
 
 
 HARDWARE: dict[str, Hardware] = {
-    "h100": Hardware("h100", memory_bytes=80 * GB, hbm_bytes_per_s=3.35 * TERA, flops_fp16=989 * TERA,
-                     flops_fp8=1979 * TERA),
-    "h200": Hardware("h200", memory_bytes=141 * GB, hbm_bytes_per_s=4.8 * TERA, flops_fp16=989 * TERA,
-                     flops_fp8=1979 * TERA),
+    "h100": Hardware(
+        "h100", memory_bytes=80 * GB, hbm_bytes_per_s=3.35 * TERA, flops_fp16=989 * TERA, flops_fp8=1979 * TERA
+    ),
+    "h200": Hardware(
+        "h200", memory_bytes=141 * GB, hbm_bytes_per_s=4.8 * TERA, flops_fp16=989 * TERA, flops_fp8=1979 * TERA
+    ),
 }
 
 

@@ -1,12 +1,13 @@
 """What a run measures: per tier, TTFT and inter-token latency distributions, goodput under SLOs, and counts of
 what happened to requests (completed, cancelled, shed, refused by quota or for length, rejected, delayed in the
 fair queue)."""
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-from tokenfleet.sim.records import SimRequest
+from tokenfleet.sim.request import SimRequest
 
 BIN = math.log(1.01)  # histogram bins 1% wide
 

@@ -1,9 +1,8 @@
 """Model shapes the cost model needs: parameters, layers, attention heads, KV heads, head size, hidden size."""
+
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp8": 1, "fp32": 4}
 
@@ -20,8 +19,15 @@ class ModelShape:
     max_model_len: int = 8192
 
     def __post_init__(self) -> None:
-        for field_name in ("params", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-                           "max_model_len"):
+        for field_name in (
+            "params",
+            "num_layers",
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_model_len",
+        ):
             if not getattr(self, field_name) > 0:
                 raise ValueError(f"model {self.name}: {field_name} must be positive")
         if self.num_heads % self.num_kv_heads:
@@ -33,22 +39,6 @@ class ModelShape:
     def kv_bytes_per_token(self, dtype: str) -> int:
         """K and V, every layer, every KV head: 2 x layers x kv_heads x head_dim x bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes(dtype)
-
-    @classmethod
-    def from_hf_config(cls, path: str | Path, params: float | None = None) -> "ModelShape":
-        """A shape from a Hugging Face config.json (the demo checkpoint's, for calibration)."""
-        path = Path(path)
-        raw = json.loads((path / "config.json" if path.is_dir() else path).read_text())
-        hidden, layers = raw["hidden_size"], raw["num_hidden_layers"]
-        heads = raw["num_attention_heads"]
-        kv_heads = raw.get("num_key_value_heads", heads)
-        head_dim = raw.get("head_dim") or hidden // heads
-        if params is None:
-            inter, vocab = raw["intermediate_size"], raw["vocab_size"]
-            per_layer = hidden * (heads * head_dim) * 2 + hidden * kv_heads * head_dim * 2 + 3 * hidden * inter
-            params = layers * per_layer + vocab * hidden * (1 if raw.get("tie_word_embeddings") else 2)
-        return cls(path.name, float(params), layers, hidden, heads, kv_heads, head_dim,
-                   raw.get("max_position_embeddings", 2048))
 
 
 MODELS: dict[str, ModelShape] = {

@@ -1,5 +1,6 @@
 """What a simulation config's numbers may be: finite (an infinite or NaN rate or duration hangs a run or poisons
 its results) and, for counts, whole; never a boolean (YAML's true is an int to Python)."""
+
 from __future__ import annotations
 
 import math

@@ -5,14 +5,15 @@ Every step follows Engine.step(): schedule -> (the cost model instead of the mod
 sampled tokens -> finish. The engine's decisions are the real code's. What this file adds is speed:
 
 Parked decodes. A running request in steady decode gets exactly one token per step, and the only things it does to
-the block manager are taking a block when its next token starts one and registering a block in the prefix cache
-when it fills one. Such requests are taken out of `scheduler.running` ("parked") and advanced lazily: their
+the block manager are taking a block when its next token starts one and registering a block in the prefix cache when
+it fills one. Such requests are taken out of the scheduler's plan (`Scheduler.park`) and advanced lazily: their
 counters are written back only at those block events (on the step and in the order the scheduler would do them),
-when they finish, are cancelled, or when a step needs them back. A step's cost is then proportional to what
-changes, not to the batch. Parked requests rejoin the scheduler (a full step) whenever the scheduler's choices could
-involve them: the token budget or blocks may run short (so it might preempt), or a queued request of a higher class
-might need room that only preempting them could make. The result is the same as running every step in full, up to
-which free block each request receives within one step (tests/sim check results are identical both ways).
+when they finish, are cancelled, or when a step needs them back (`Scheduler.unpark`). A step's cost is then
+proportional to what changes, not to the batch. Parked requests rejoin the scheduler (a full step) whenever the
+scheduler's choices could involve them: the token budget or blocks may run short (so it might preempt), or a queued
+request of a higher class might need room that only preempting them could make. The result is the same as running
+every step in full, up to which free block each request receives within one step (tests/sim check results are
+identical both ways).
 
 Runs of parked steps. When a step has only parked decodes and nothing queued or running besides them, the steps
 that follow are the same kind until a parked request finishes, a step's block takes could outrun the free blocks,
@@ -21,13 +22,18 @@ replica schedules one event for the whole run instead of one per step; each step
 registrations, step counters and inter-token gap are applied, in step order and at the step's own time, when
 something looks (report(), steps, busy_s) or when the run ends. An arrival or a cancellation during a run cuts it
 at the step in progress, which ends as it would have, so the result is the same as stepping one by one.
+
+The engine is driven only through its verbs (Scheduler: add, schedule, update, finish, park, unpark;
+KVBlockManager: take_blocks, mark_computed; Request: append_token(s)); this file writes none of their fields
+(tests/sim/test_engine_interface.py). Its own record of a request is the SimRequest in `sims`.
 """
+
 from __future__ import annotations
 
 import bisect
 import itertools
 import operator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 from tokenfleet.engine.kv_blocks import KVBlockManager
@@ -36,8 +42,7 @@ from tokenfleet.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOut
 from tokenfleet.router.policy import ReplicaState
 from tokenfleet.sim.cost_model import CostModel, StepBatch
 from tokenfleet.sim.events import EventQueue
-from tokenfleet.sim.records import SimRequest
-
+from tokenfleet.sim.request import SimRequest
 
 
 @dataclass
@@ -110,13 +115,15 @@ class _Run:
 
 
 class SimReplica:
-    def __init__(self, name: str, spec: ReplicaSpec, cost: CostModel, events: EventQueue, sink: ReplicaSink,
-                 fast: bool = True) -> None:
+    def __init__(
+        self, name: str, spec: ReplicaSpec, cost: CostModel, events: EventQueue, sink: ReplicaSink, fast: bool = True
+    ) -> None:
         self.name, self.spec, self.cost, self.events, self.sink, self.fast = name, spec, cost, events, sink, fast
-        self._blocks = KVBlockManager(spec.num_blocks, spec.block_size, spec.num_host_blocks, spec.watermark,
-                                     spec.enable_prefix_caching)
+        self._blocks = KVBlockManager(
+            spec.num_blocks, spec.block_size, spec.num_host_blocks, spec.watermark, spec.enable_prefix_caching
+        )
         self.base = spec.scheduler
-        self.scheduler = Scheduler(replace(self.base), self._blocks)
+        self.scheduler = Scheduler(self.base, self._blocks)
         self.state = ReplicaState(name)
         self.step_no = 0
         self.busy = False
@@ -128,6 +135,7 @@ class SimReplica:
         self._generation = 0
         self._gaps_sink = getattr(sink, "inter_token_gaps", None)
         events.stop_hooks.append(self.sync)  # a run in progress when the simulation stops is applied up to then
+        self.sims: dict[Request, SimRequest] = {}  # the engine's requests here, until they end
         self.parked: dict[Request, _Parked] = {}
         self.parked_by_class: dict[int, dict[Request, _Parked]] = {}
         self.parked_per_tier: dict[str, int] = {}
@@ -137,7 +145,6 @@ class SimReplica:
         self._takes: list[dict[Request, _Parked]] = [{} for _ in range(spec.block_size)]
         self._registers: list[dict[Request, _Parked]] = [{} for _ in range(spec.block_size)]
         self._finishes: dict[int, list[_Parked]] = {}
-        self._configs: dict[int, SchedulerConfig] = {}
         self._params: dict[int, SamplingParams] = {}
         self._aborts: list[SimRequest] = []
         self._step: tuple[int, SchedulerOutput, list, float] | None = None
@@ -156,11 +163,14 @@ class SimReplica:
     def add(self, sreq: SimRequest) -> None:
         params = self._params.get(sreq.max_tokens)  # the engine never changes a request's params: share them
         if params is None:
-            params = self._params[sreq.max_tokens] = SamplingParams(max_tokens=sreq.max_tokens, ignore_eos=True,
-                                                                    detokenize=False)
-        req = Request(sreq.rid, sreq.prompt, params, priority=sreq.priority, arrival_time=sreq.arrival)
-        req.block_hashes = sreq.hashes  # known keys (the answer is predetermined): the sim does not hash twice
-        req.sim = sreq  # type: ignore[attr-defined]
+            params = self._params[sreq.max_tokens] = SamplingParams(
+                max_tokens=sreq.max_tokens, ignore_eos=True, detokenize=False
+            )
+        # the keys are known (the answer is predetermined): the engine does not hash the tokens again
+        req = Request(
+            sreq.rid, sreq.prompt, params, priority=sreq.priority, arrival_time=sreq.arrival, block_hashes=sreq.hashes
+        )
+        self.sims[req] = sreq
         sreq.req, sreq.replica = req, self.name
         if self._run is not None:
             self._cut_run()
@@ -211,13 +221,14 @@ class SimReplica:
     def report(self) -> ReplicaState:
         """The load report the router reads (what GET /load returns), into self.state."""
         self.sync()
-        s, sched = self.state, self.scheduler
-        s.running = len(sched.running) + len(self.parked)
-        s.waiting = len(sched.queue)
-        s.queued_tokens = (sum(r.num_uncomputed_tokens for r in sched.queue)
-                           + sum(r.num_uncomputed_tokens for r in sched.running if r.num_uncomputed_tokens > 1))
-        s.kv_usage = self._blocks.usage()
-        return s
+        state, sched = self.state, self.scheduler
+        state.running = len(sched.running) + len(self.parked)
+        state.waiting = len(sched.queue)
+        state.queued_tokens = sum(r.num_uncomputed_tokens for r in sched.queue) + sum(
+            r.num_uncomputed_tokens for r in sched.running if r.num_uncomputed_tokens > 1
+        )
+        state.kv_usage = self._blocks.usage()
+        return state
 
     # --- one step -----------------------------------------------------------------------------------------
 
@@ -256,10 +267,9 @@ class SimReplica:
         first to register a key wins, should two blocks share it)."""
         registers = self._registers[step % self.spec.block_size]
         if registers:
-            cache_full_blocks, offset = self._blocks.cache_full_blocks, step - 1
+            mark_computed, offset = self._blocks.mark_computed, step - 1
             for p in registers.values():
-                p.req.num_computed_tokens = p.base_tokens + offset - p.base_step
-                cache_full_blocks(p.req)
+                mark_computed(p.req, p.base_tokens + offset - p.base_step)
 
     def _parked_step_time(self, step: int) -> float:
         n = len(self.parked)
@@ -269,10 +279,6 @@ class SimReplica:
         sched = self.scheduler
         if not sched.running and not sched.queue:
             return SchedulerOutput()
-        n = len(self.parked)
-        sched.config = self._configs.get(n) or self._configs.setdefault(n, replace(
-            self.base, max_num_batched_tokens=self.base.max_num_batched_tokens - n,
-            max_num_seqs=self.base.max_num_seqs - n))
         return sched.schedule()
 
     def _batch(self, out: SchedulerOutput, step: int) -> StepBatch:
@@ -313,9 +319,9 @@ class SimReplica:
             self._begin_step()
 
     def _sample(self, req: Request, now: float) -> None:
-        sreq: SimRequest = req.sim  # type: ignore[attr-defined]
         if req.is_finished:  # cancelled during the step? (aborts apply after it) - never sampled twice
             return
+        sreq = self.sims[req]
         req.append_token(sreq.output[req.num_output_tokens])
         if sreq.first_token is None:
             sreq.first_token = now
@@ -328,11 +334,10 @@ class SimReplica:
 
     def _done(self, req: Request, reason: str, now: float) -> None:
         self.scheduler.finish(req, reason)
-        sreq: SimRequest = req.sim  # type: ignore[attr-defined]
+        sreq = self.sims.pop(req)
         sreq.tokens_out, sreq.preemptions = req.num_output_tokens, req.num_preemptions
         sreq.cached_tokens = max(req.num_cached_tokens, 0)
         self.sink.finished(sreq, now, reason)
-        req.sim = None  # type: ignore[attr-defined]  # no cycle left: both are freed by reference counting
 
     # --- runs of parked steps ------------------------------------------------------------------------------
 
@@ -343,8 +348,7 @@ class SimReplica:
         if last == step:
             return False
         n = len(self.parked)
-        durations = [duration] + self.cost.decode_times(n, self._position_sum_base + n * (step + 1) + n, n,
-                                                        last - step)
+        durations = [duration] + self.cost.decode_times(n, self._position_sum_base + n * (step + 1) + n, n, last - step)
         starts = list(itertools.accumulate(durations, initial=self.events.clock.now))  # as events one by one
         self._generation += 1
         self._run = _Run(step, last, starts, durations, step, step - 1, self._generation)
@@ -401,7 +405,7 @@ class SimReplica:
         """The inter-token gaps of the run's steps first .. end - 1, for every parked decode."""
         i, j = first - run.first, end - run.first
         if self._gaps_sink is not None:
-            self._gaps_sink(run.durations[i:j], run.starts[i + 1:j + 1], self.parked_per_tier)
+            self._gaps_sink(run.durations[i:j], run.starts[i + 1 : j + 1], self.parked_per_tier)
             return
         clock = self.events.clock
         now = clock.now
@@ -417,7 +421,7 @@ class SimReplica:
         self._advance(run, current)
         if current < run.last:
             keep = current - run.first + 1
-            del run.durations[keep:], run.starts[keep + 1:]
+            del run.durations[keep:], run.starts[keep + 1 :]
             run.last = current
             self._generation += 1
             run.generation = self._generation
@@ -467,27 +471,26 @@ class SimReplica:
                 self._unpark(p)
 
     def _park_decodes(self, now: float) -> None:
-        sched = self.scheduler
+        sched, sims = self.scheduler, self.sims
         if not any(r.num_uncomputed_tokens == 1 for r in sched.running):
             return
-        keep = []
-        for req in sched.running:
+
+        def steady(req: Request) -> bool:
             # only requests that sampled in the step just ended: one that reached its last prompt token by a
             # prefill chunk has its first token (or, recomputing, a token after a stall) still to report
-            sreq = req.sim
-            if req.num_uncomputed_tokens == 1 and sreq.last_token == now and req.num_output_tokens < sreq.max_tokens:
-                self._park(req)
-            else:
-                keep.append(req)
-        sched.running = keep
+            sreq = sims[req]
+            return req.num_uncomputed_tokens == 1 and sreq.last_token == now and req.num_output_tokens < sreq.max_tokens
+
+        for req in sched.park(steady):
+            self._park(req)
 
     def _park(self, req: Request) -> None:
-        s, bs, sreq = self.step_no, self._blocks.block_size, req.sim
+        s, bs, sreq = self.step_no, self._blocks.block_size, self.sims[req]
         tokens = req.num_tokens
         p = _Parked(req, sreq, tokens, s, s + sreq.max_tokens + req.num_prompt_tokens - tokens, req.rank())
         # While parked, nothing reads its token count (it is in no scheduler list): hold the whole answer now, so
         # the block manager finds any block's tokens; _unpark cuts it back to the tokens generated by then.
-        req.token_ids.extend(sreq.output[tokens - req.num_prompt_tokens:sreq.max_tokens])
+        req.append_tokens(sreq.output[tokens - req.num_prompt_tokens : sreq.max_tokens])
         self.parked[req] = p
         self.parked_by_class.setdefault(req.priority, {})[req] = p
         self.parked_per_tier[sreq.tier] = self.parked_per_tier.get(sreq.tier, 0) + 1
@@ -518,8 +521,6 @@ class SimReplica:
         step = self.step_no if step is None else step
         pos = p.position(step)
         req, sreq = p.req, p.sreq
-        del req.token_ids[pos + 2:]
-        req.num_computed_tokens = pos + 1
         del self.parked[req]
         del self.parked_by_class[req.priority][req]
         bs = self.spec.block_size
@@ -528,7 +529,7 @@ class SimReplica:
         self.parked_per_tier[sreq.tier] -= 1
         self._position_sum_base -= p.base_tokens - p.base_step - 2
         sreq.last_token = self.events.clock.now
-        self.scheduler.running.append(req)
+        self.scheduler.unpark(req, pos + 2)
 
     def _unpark_all(self) -> None:
         self.full_steps += 1

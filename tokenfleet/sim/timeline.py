@@ -1,6 +1,7 @@
 """A run over time: per time bin and tier, what arrived, was shed or delayed, finished within the SLO or not, and
 the TTFTs (by arrival bin); and gauges sampled on the simulated clock (overload level, replicas, queue, KV usage).
 What the overload and autoscaling experiments plot. It records alongside the run's own metrics, changing none."""
+
 from __future__ import annotations
 
 import math
@@ -9,7 +10,7 @@ from dataclasses import dataclass, field
 
 from tokenfleet.sim.events import EventQueue
 from tokenfleet.sim.metrics import Metrics, Slo
-from tokenfleet.sim.records import SimRequest
+from tokenfleet.sim.request import SimRequest
 
 
 @dataclass
@@ -28,11 +29,21 @@ class TierBin:
     ttft: list = field(default_factory=list)
 
     def row(self) -> dict:
-        return {"arrived": self.arrived, "shed": self.shed, "quota": self.quota, "length": self.length,
-                "rejected": self.rejected, "completed": self.completed, "cancelled": self.cancelled, "good": self.good,
-                "missed": self.missed, "delayed": self.delayed, "capped": self.capped,
-                "ttft_p50_s": percentile(self.ttft, 50),
-                "ttft_p99_s": percentile(self.ttft, 99)}
+        return {
+            "arrived": self.arrived,
+            "shed": self.shed,
+            "quota": self.quota,
+            "length": self.length,
+            "rejected": self.rejected,
+            "completed": self.completed,
+            "cancelled": self.cancelled,
+            "good": self.good,
+            "missed": self.missed,
+            "delayed": self.delayed,
+            "capped": self.capped,
+            "ttft_p50_s": percentile(self.ttft, 50),
+            "ttft_p99_s": percentile(self.ttft, 99),
+        }
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -85,8 +96,10 @@ class TimelineMetrics(Metrics):
 
     def rows(self) -> list[dict]:
         """One row per bin: its start time and, per tier, the counts and TTFT percentiles."""
-        return [{"t": i * self.bin_s, "tiers": {tier: b.row() for tier, b in sorted(tiers.items())}}
-                for i, tiers in sorted(self.bins.items())]
+        return [
+            {"t": i * self.bin_s, "tiers": {tier: b.row() for tier, b in sorted(tiers.items())}}
+            for i, tiers in sorted(self.bins.items())
+        ]
 
     def totals(self, tiers: tuple[str, ...] | None = None) -> TierBin:
         """Every bin's counts together (TTFTs left out), over `tiers` (default: all)."""
@@ -94,8 +107,19 @@ class TimelineMetrics(Metrics):
         for by_tier in self.bins.values():
             for tier, b in by_tier.items():
                 if tiers is None or tier in tiers:
-                    for name in ("arrived", "shed", "quota", "length", "rejected", "completed", "cancelled", "good",
-                                 "missed", "delayed", "capped"):
+                    for name in (
+                        "arrived",
+                        "shed",
+                        "quota",
+                        "length",
+                        "rejected",
+                        "completed",
+                        "cancelled",
+                        "good",
+                        "missed",
+                        "delayed",
+                        "capped",
+                    ):
                         setattr(total, name, getattr(total, name) + getattr(b, name))
         return total
 
@@ -122,7 +146,12 @@ def fleet_gauges(fleet) -> dict:
     ladder = fleet.gateway.ladder
     reports = [r.report() for r in fleet.replicas]
     ttft = ladder.projected_ttft_s
-    return {"level": ladder.level, "projected_ttft_s": round(ttft, 4) if math.isfinite(ttft) else None,
-            "serving": len(fleet.states), "replicas": len(fleet.replicas), "in_flight": fleet.in_flight,
-            "gateway_queued": fleet.gateway.queued,
-            "kv_usage": round(sum(s.kv_usage for s in reports) / len(reports), 4) if reports else 0.0}
+    return {
+        "level": ladder.level,
+        "projected_ttft_s": round(ttft, 4) if math.isfinite(ttft) else None,
+        "serving": len(fleet.states),
+        "replicas": len(fleet.replicas),
+        "in_flight": fleet.in_flight,
+        "gateway_queued": fleet.gateway.queued,
+        "kv_usage": round(sum(s.kv_usage for s in reports) / len(reports), 4) if reports else 0.0,
+    }

@@ -4,6 +4,7 @@ prompt and several turns whose prompts carry the whole history (so the prefix ca
 Content is drawn from a random stream per conversation (seeded by the run's seed and the conversation's number),
 so the same seed gives the same conversations whatever the fleet, router or policy does with them.
 """
+
 from __future__ import annotations
 
 import math
@@ -11,15 +12,26 @@ import random
 from dataclasses import dataclass, field
 
 from tokenfleet.sim.numbers import is_finite, is_whole
-from tokenfleet.sim.records import SimRequest
+from tokenfleet.sim.request import SimRequest
 
 TIERS = ("enterprise", "paid", "free", "batch")
 SYSTEM_TOKEN_BASE = 1 << 40  # synthetic token ids: system prompts here, everything else from a counter below
 
 
 WHOLE = ("orgs_per_tier", "users_per_org", "system_prompts", "max_output_tokens", "max_model_len")
-REAL = ("rate", "diurnal_amplitude", "diurnal_period_s", "peak_at_s", "user_tokens_mean", "output_tokens_mean",
-        "length_sigma", "turns_mean", "think_time_s", "cancel_probability", "batch_prompt_tokens_mean")
+REAL = (
+    "rate",
+    "diurnal_amplitude",
+    "diurnal_period_s",
+    "peak_at_s",
+    "user_tokens_mean",
+    "output_tokens_mean",
+    "length_sigma",
+    "turns_mean",
+    "think_time_s",
+    "cancel_probability",
+    "batch_prompt_tokens_mean",
+)
 
 
 @dataclass(frozen=True)
@@ -58,11 +70,18 @@ class WorkloadSpec:
         for name in REAL:
             if not is_finite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
-        numbers = {"rate": self.rate, "orgs_per_tier": self.orgs_per_tier, "users_per_org": self.users_per_org,
-                   "system_prompts": self.system_prompts, "user_tokens_mean": self.user_tokens_mean,
-                   "output_tokens_mean": self.output_tokens_mean, "turns_mean": self.turns_mean,
-                   "max_output_tokens": self.max_output_tokens, "diurnal_period_s": self.diurnal_period_s,
-                   "batch_prompt_tokens_mean": self.batch_prompt_tokens_mean}
+        numbers = {
+            "rate": self.rate,
+            "orgs_per_tier": self.orgs_per_tier,
+            "users_per_org": self.users_per_org,
+            "system_prompts": self.system_prompts,
+            "user_tokens_mean": self.user_tokens_mean,
+            "output_tokens_mean": self.output_tokens_mean,
+            "turns_mean": self.turns_mean,
+            "max_output_tokens": self.max_output_tokens,
+            "diurnal_period_s": self.diurnal_period_s,
+            "batch_prompt_tokens_mean": self.batch_prompt_tokens_mean,
+        }
         bad = [k for k, v in numbers.items() if not v > 0]
         if bad:
             raise ValueError(f"{', '.join(bad)} must be positive")
@@ -77,16 +96,20 @@ class WorkloadSpec:
         self._check_tiers()
         for i, b in enumerate(self.bursts):
             if not all(is_finite(v) for v in (b.at_s, b.duration_s, b.multiplier)) or (
-                    b.duration_s <= 0 or b.multiplier < 0 or b.at_s < 0):
-                raise ValueError(f"bursts[{i}]: a burst needs finite numbers at_s >= 0, duration_s > 0 and "
-                                 f"multiplier >= 0, got {b}")
+                b.duration_s <= 0 or b.multiplier < 0 or b.at_s < 0
+            ):
+                raise ValueError(
+                    f"bursts[{i}]: a burst needs finite numbers at_s >= 0, duration_s > 0 and multiplier >= 0, got {b}"
+                )
         tokens = self.system_prompt_tokens
         if not (isinstance(tokens, (tuple, list)) and len(tokens) == 2 and all(is_whole(t) for t in tokens)):
             raise ValueError(f"system_prompt_tokens must be [low, high], two whole numbers, got {tokens!r}")
         low, high = tokens
         if not 0 < low <= high or high + self.max_output_tokens >= self.max_model_len:
-            raise ValueError("system_prompt_tokens must be [low, high] with 0 < low <= high and room for "
-                             "max_output_tokens within the model's context")
+            raise ValueError(
+                "system_prompt_tokens must be [low, high] with 0 < low <= high and room for "
+                "max_output_tokens within the model's context"
+            )
 
     def _check_tiers(self) -> None:
         unknown = sorted(set(self.tiers) - set(TIERS))
@@ -97,8 +120,9 @@ class WorkloadSpec:
 
     def rate_at(self, t: float) -> float:
         """Requests per second at simulated time t."""
-        rate = self.rate * (1 + self.diurnal_amplitude * math.cos(2 * math.pi * (t - self.peak_at_s)
-                                                                   / self.diurnal_period_s))
+        rate = self.rate * (
+            1 + self.diurnal_amplitude * math.cos(2 * math.pi * (t - self.peak_at_s) / self.diurnal_period_s)
+        )
         for b in self.bursts:
             if b.at_s <= t < b.at_s + b.duration_s:
                 rate *= b.multiplier
@@ -126,9 +150,15 @@ class Workload:
         self.spec, self.seed, self.block_size = spec, seed, block_size
         self._arrivals = random.Random(f"arrivals:{seed}")
         shared = random.Random(f"system:{seed}")
-        self.systems = [list(range(SYSTEM_TOKEN_BASE + i * 100_000,
-                                   SYSTEM_TOKEN_BASE + i * 100_000 + shared.randint(*spec.system_prompt_tokens)))
-                        for i in range(spec.system_prompts)]
+        self.systems = [
+            list(
+                range(
+                    SYSTEM_TOKEN_BASE + i * 100_000,
+                    SYSTEM_TOKEN_BASE + i * 100_000 + shared.randint(*spec.system_prompt_tokens),
+                )
+            )
+            for i in range(spec.system_prompts)
+        ]
         self._system_hashes = [block_keys(s, block_size, []) for s in self.systems]
         self._tiers = [t for t in TIERS if spec.tiers.get(t, 0) > 0]
         self._tier_weights = [spec.tiers[t] for t in self._tiers]
@@ -157,8 +187,16 @@ class Workload:
         org = rng.choices(range(spec.orgs_per_tier), cum_weights=self._org_cum)[0]
         turns = 1 if tier == "batch" else _geometric(rng, spec.turns_mean)
         system = rng.randrange(len(self.systems))
-        return Conversation(cid, tier, f"{tier}-org{org}", f"u{rng.randrange(spec.users_per_org)}", turns, rng,
-                            self.systems[system], self._system_hashes[system])
+        return Conversation(
+            cid,
+            tier,
+            f"{tier}-org{org}",
+            f"u{rng.randrange(spec.users_per_org)}",
+            turns,
+            rng,
+            self.systems[system],
+            self._system_hashes[system],
+        )
 
     def next_turn(self, conv: Conversation, now: float, priority: int) -> SimRequest | None:
         """The conversation's next request, or None when it is over (all turns done). A turn whose prompt and answer
@@ -173,23 +211,48 @@ class Workload:
         base = (conv.cid * 256 + conv.turn) * 2 << 16
         prompt = conv.history + list(range(base, base + user_n))
         if len(prompt) + out_n > spec.max_model_len:
-            refused = SimRequest(f"c{conv.cid}t{conv.turn}", conv.tier, conv.tenant, conv.user, priority, prompt, [],
-                                 [], now, conversation=conv.cid, turn=conv.turn, max_tokens=out_n, status="length")
+            refused = SimRequest(
+                f"c{conv.cid}t{conv.turn}",
+                conv.tier,
+                conv.tenant,
+                conv.user,
+                priority,
+                prompt,
+                [],
+                [],
+                now,
+                conversation=conv.cid,
+                turn=conv.turn,
+                max_tokens=out_n,
+                status="length",
+            )
             conv.turn = conv.turns
             return refused
         output = list(range(base + (1 << 16), base + (1 << 16) + out_n))
         known = len(conv.history_hashes) * self.block_size  # the history's blocks have their keys already
         hashes = block_keys(prompt[known:] + output, self.block_size, conv.history_hashes)
         cancel = rng.uniform(0.5, 1.0 + 0.03 * out_n) if rng.random() < spec.cancel_probability else None
-        sreq = SimRequest(f"c{conv.cid}t{conv.turn}", conv.tier, conv.tenant, conv.user, priority, prompt, output,
-                          hashes, now, conversation=conv.cid, turn=conv.turn, cancel_after=cancel)
+        sreq = SimRequest(
+            f"c{conv.cid}t{conv.turn}",
+            conv.tier,
+            conv.tenant,
+            conv.user,
+            priority,
+            prompt,
+            output,
+            hashes,
+            now,
+            conversation=conv.cid,
+            turn=conv.turn,
+            cancel_after=cancel,
+        )
         conv.turn += 1
         return sreq
 
     def answered(self, conv: Conversation, sreq: SimRequest) -> None:
         """The turn's answer becomes part of the conversation's history."""
-        conv.history = sreq.prompt + sreq.output[:sreq.tokens_out]
-        conv.history_hashes = sreq.hashes[:len(conv.history) // self.block_size]
+        conv.history = sreq.prompt + sreq.output[: sreq.tokens_out]
+        conv.history_hashes = sreq.hashes[: len(conv.history) // self.block_size]
 
     def think_time(self, conv: Conversation) -> float:
         return conv.rng.expovariate(1 / self.spec.think_time_s) if self.spec.think_time_s > 0 else 0.0
@@ -205,7 +268,7 @@ def block_keys(token_ids: list[int], block_size: int, start: list[bytes]) -> lis
     keys = list(start)
     parent = int.from_bytes(keys[-1], "little") if keys else 0
     for i in range(len(token_ids) // block_size):
-        parent = hash((parent, *token_ids[i * block_size:(i + 1) * block_size])) & 0xFFFF_FFFF_FFFF_FFFF
+        parent = hash((parent, *token_ids[i * block_size : (i + 1) * block_size])) & 0xFFFF_FFFF_FFFF_FFFF
         keys.append(parent.to_bytes(8, "little"))
     return keys
 

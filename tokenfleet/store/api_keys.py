@@ -1,4 +1,5 @@
 """API key material: the plaintext format, the id shown in listings, and the hash that is all the store keeps."""
+
 from __future__ import annotations
 
 import hashlib

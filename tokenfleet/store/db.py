@@ -1,4 +1,5 @@
 """The database connection: an async engine and session factory from one URL, SQLite or PostgreSQL."""
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,9 @@ def async_url(url: str) -> URL:
     try:
         parsed = make_url(url)
     except ArgumentError:
-        raise ValueError(f"not a database URL: {url!r} (try sqlite:///path/to/file.db or "
-                         "postgresql://user@host/db)") from None
+        raise ValueError(
+            f"not a database URL: {url!r} (try sqlite:///path/to/file.db or postgresql://user@host/db)"
+        ) from None
     backend, _, driver = parsed.drivername.partition("+")
     wanted = ASYNC_DRIVERS.get(backend)
     if wanted is None:
@@ -85,7 +87,7 @@ class Database:
     async def close(self) -> None:
         await self.engine.dispose()
 
-    async def __aenter__(self) -> "Database":
+    async def __aenter__(self) -> Database:
         return self
 
     async def __aexit__(self, *exc) -> None:

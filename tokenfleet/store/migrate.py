@@ -6,6 +6,7 @@ from the models against an up-to-date database:
     python -c "from alembic import command; from tokenfleet.store.migrate import alembic_config; \
 command.revision(alembic_config(url='sqlite:///dev.db'), 'usage', autogenerate=True, rev_id='0002')"
 """
+
 from __future__ import annotations
 
 from pathlib import Path

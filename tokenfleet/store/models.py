@@ -1,10 +1,22 @@
 """The ORM tables. Migrations in `migrations/versions/` create exactly this schema (a test compares them)."""
+
 from __future__ import annotations
 
-from datetime import date, datetime, timezone
+from datetime import UTC, date, datetime
 
-from sqlalchemy import (BigInteger, Date, DateTime, Float, ForeignKey, Index, Integer, MetaData, String, Text,
-                        UniqueConstraint)
+from sqlalchemy import (
+    BigInteger,
+    Date,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
@@ -22,7 +34,7 @@ NAME_LENGTH = 200
 
 
 def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class UTCDateTime(TypeDecorator):
@@ -34,12 +46,12 @@ class UTCDateTime(TypeDecorator):
     def process_bind_param(self, value: datetime | None, dialect) -> datetime | None:
         if value is not None and value.tzinfo is None:
             raise ValueError("naive datetime given to a UTC column")
-        return value.astimezone(timezone.utc) if value is not None else None
+        return value.astimezone(UTC) if value is not None else None
 
     def process_result_value(self, value: datetime | None, dialect) -> datetime | None:
         if value is None:
             return None
-        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
 class Base(DeclarativeBase):
@@ -55,8 +67,7 @@ class LimitColumns:
     tokens_per_day: Mapped[int | None] = mapped_column(BigInteger)
 
     def limits(self) -> Limits:
-        return Limits(self.requests_per_minute, self.tokens_per_minute, self.concurrent_requests,
-                      self.tokens_per_day)
+        return Limits(self.requests_per_minute, self.tokens_per_minute, self.concurrent_requests, self.tokens_per_day)
 
     def set_limits(self, limits: Limits) -> None:
         self.requests_per_minute = limits.requests_per_minute
@@ -168,8 +179,10 @@ class MessageRow(Base):
     refreshed about every second), then complete, stopped or failed."""
 
     __tablename__ = "messages"
-    __table_args__ = (UniqueConstraint("conversation_id", "seq"),
-                      Index("ix_messages_status_updated_at", "status", "updated_at"))
+    __table_args__ = (
+        UniqueConstraint("conversation_id", "seq"),
+        Index("ix_messages_status_updated_at", "status", "updated_at"),
+    )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     conversation_id: Mapped[str] = mapped_column(ForeignKey("conversations.id"))

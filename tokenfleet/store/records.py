@@ -1,4 +1,5 @@
 """What the tenant store hands out: plain frozen records (never ORM objects, never key hashes), and its errors."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

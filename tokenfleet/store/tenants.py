@@ -1,4 +1,5 @@
 """TenantStore: organisations, users and API keys, and turning a presented key into the Principal it speaks for."""
+
 from __future__ import annotations
 
 import logging
@@ -32,8 +33,18 @@ def user_info(user: User) -> UserInfo:
 
 
 def key_info(key: ApiKey, org: Organisation, user: User) -> KeyInfo:
-    return KeyInfo(key.id, org.id, org.name, user.id, user.name, key.name, key.prefix, key.created_at,
-                   key.revoked_at, key.last_used_at)
+    return KeyInfo(
+        key.id,
+        org.id,
+        org.name,
+        user.id,
+        user.name,
+        key.name,
+        key.prefix,
+        key.created_at,
+        key.revoked_at,
+        key.last_used_at,
+    )
 
 
 async def find_org(session: AsyncSession, ref: str) -> Organisation | None:
@@ -45,8 +56,11 @@ async def find_org(session: AsyncSession, ref: str) -> Organisation | None:
 
 
 def keys_with_owners():
-    return (select(ApiKey, Organisation, User).join(Organisation, ApiKey.org_id == Organisation.id)
-            .join(User, ApiKey.user_id == User.id))
+    return (
+        select(ApiKey, Organisation, User)
+        .join(Organisation, ApiKey.org_id == Organisation.id)
+        .join(User, ApiKey.user_id == User.id)
+    )
 
 
 async def find_user(session: AsyncSession, org: Organisation, name: str) -> User | None:
@@ -76,15 +90,28 @@ class TenantStore:
 
     # --- organisations ----------------------------------------------------------------------------------------
 
-    async def create_org(self, name: str, tier: str = DEFAULT_TIER, limits: Limits | None = None,
-                         provisioned_share: float | None = None, org_id: str | None = None) -> OrgInfo:
+    async def create_org(
+        self,
+        name: str,
+        tier: str = DEFAULT_TIER,
+        limits: Limits | None = None,
+        provisioned_share: float | None = None,
+        org_id: str | None = None,
+    ) -> OrgInfo:
         """`org_id`: a slug of your choosing (a-z, 0-9, - and _), else one like org_3f9a1c0b2d4e6f70 is made."""
         async with self.transaction() as session:
             org = await self._add_org(session, name, tier, limits, provisioned_share, org_id)
             return org_info(org)
 
-    async def _add_org(self, session: AsyncSession, name: str, tier: str, limits: Limits | None,
-                       share: float | None, org_id: str | None) -> Organisation:
+    async def _add_org(
+        self,
+        session: AsyncSession,
+        name: str,
+        tier: str,
+        limits: Limits | None,
+        share: float | None,
+        org_id: str | None,
+    ) -> Organisation:
         name, tier = check_name(name, "organisation name"), check_tier(tier, self.tiers)
         limits, share = check_limits(limits), check_share(share)
         org_id = new_id("org") if org_id is None else check_slug(org_id)
@@ -108,8 +135,9 @@ class TenantStore:
             orgs = await session.scalars(select(Organisation).order_by(Organisation.created_at, Organisation.id))
             return [org_info(org) for org in orgs]
 
-    async def update_org(self, org: str, tier: str | None = None, limits: Limits | None = None,
-                         provisioned_share: object = KEEP) -> OrgInfo:
+    async def update_org(
+        self, org: str, tier: str | None = None, limits: Limits | None = None, provisioned_share: object = KEEP
+    ) -> OrgInfo:
         """Changes what is given, in one transaction: `limits` replaces all four overrides (Limits() clears
         them); `provisioned_share=None` clears it. Raises NotFound for an unknown organisation."""
         tier = None if tier is None else check_tier(tier, self.tiers)
@@ -170,8 +198,9 @@ class TenantStore:
 
     # --- API keys ---------------------------------------------------------------------------------------------
 
-    async def create_key(self, org: str, user: str, key_name: str = "default",
-                         tier: str | None = None) -> tuple[KeyInfo, str]:
+    async def create_key(
+        self, org: str, user: str, key_name: str = "default", tier: str | None = None
+    ) -> tuple[KeyInfo, str]:
         """A new key for `user` of `org` (both created when missing; a new org gets `tier`, default free).
         Returns the key's record and its plaintext, which exists only in this return value."""
         org, user = check_name(org, "organisation"), check_name(user, "user name")
@@ -186,18 +215,27 @@ class TenantStore:
                     raise
         raise AssertionError("unreachable")
 
-    async def _add_key(self, session: AsyncSession, org_ref: str, user_name: str, key_name: str,
-                       tier: str | None) -> tuple[KeyInfo, str]:
+    async def _add_key(
+        self, session: AsyncSession, org_ref: str, user_name: str, key_name: str, tier: str | None
+    ) -> tuple[KeyInfo, str]:
         org = await find_org(session, org_ref)
         if org is None:
             org = await self._add_org(session, org_ref, tier or DEFAULT_TIER, None, None, None)
         elif tier is not None and tier != org.tier:
-            raise ValueError(f"organisation {org.name!r} exists with tier {org.tier!r}, not {tier!r}; change its "
-                             "tier explicitly (PATCH /admin/v1/orgs/{id}) or leave the tier out")
+            raise ValueError(
+                f"organisation {org.name!r} exists with tier {org.tier!r}, not {tier!r}; change its "
+                "tier explicitly (PATCH /admin/v1/orgs/{id}) or leave the tier out"
+            )
         user = await find_user(session, org, user_name) or await self._add_user(session, org, user_name, Limits())
         plaintext = new_key()
-        key = ApiKey(id=new_id("key"), org_id=org.id, user_id=user.id, name=key_name,
-                     prefix=shown_prefix(plaintext), hash=key_hash(plaintext))
+        key = ApiKey(
+            id=new_id("key"),
+            org_id=org.id,
+            user_id=user.id,
+            name=key_name,
+            prefix=shown_prefix(plaintext),
+            hash=key_hash(plaintext),
+        )
         session.add(key)
         await session.flush()
         return key_info(key, org, user), plaintext
@@ -233,8 +271,9 @@ class TenantStore:
         key, org, user = row
         if key.last_used_at is None or utcnow() - key.last_used_at >= LAST_USED_RESOLUTION:
             await self._touch(key.id)
-        return Principal(key.id, org.id, org.name, user.id, user.name, org.tier, org.limits(), user.limits(),
-                         org.provisioned_share)
+        return Principal(
+            key.id, org.id, org.name, user.id, user.name, org.tier, org.limits(), user.limits(), org.provisioned_share
+        )
 
     async def _touch(self, key_id: str) -> None:
         """Records last_used_at, best effort: a busy database must not turn a valid key into a failed request."""

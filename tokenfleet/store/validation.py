@@ -1,4 +1,5 @@
 """Checks on what callers give the tenant store; each failure is a ValueError that says what was wrong."""
+
 from __future__ import annotations
 
 import math
@@ -24,8 +25,10 @@ def check_name(value: object, what: str) -> str:
 
 def check_slug(value: object) -> str:
     if not isinstance(value, str) or not _SLUG_RE.fullmatch(value):
-        raise ValueError(f"organisation id must be 1-64 characters of a-z, 0-9, '-' and '_' (starting with a "
-                         f"letter or digit), got {value!r}")
+        raise ValueError(
+            f"organisation id must be 1-64 characters of a-z, 0-9, '-' and '_' (starting with a "
+            f"letter or digit), got {value!r}"
+        )
     return value
 
 

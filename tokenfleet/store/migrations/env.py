@@ -1,5 +1,6 @@
 """Alembic's environment for tokenfleet's schema. `tokenfleet.store.migrate.upgrade` hands in an open connection
 (config.attributes["connection"]); otherwise this connects to sqlalchemy.url with the async engine itself."""
+
 import asyncio
 
 from alembic import context
@@ -13,8 +14,9 @@ config = context.config
 
 def run_on(connection: Connection) -> None:
     # SQLite cannot ALTER most things; batch mode rebuilds the table instead.
-    context.configure(connection=connection, target_metadata=Base.metadata,
-                      render_as_batch=connection.dialect.name == "sqlite")
+    context.configure(
+        connection=connection, target_metadata=Base.metadata, render_as_batch=connection.dialect.name == "sqlite"
+    )
     with context.begin_transaction():
         context.run_migrations()
 
@@ -30,8 +32,7 @@ async def run_connected() -> None:
 
 
 def run_offline() -> None:
-    context.configure(url=config.get_main_option("sqlalchemy.url"), target_metadata=Base.metadata,
-                      literal_binds=True)
+    context.configure(url=config.get_main_option("sqlalchemy.url"), target_metadata=Base.metadata, literal_binds=True)
     with context.begin_transaction():
         context.run_migrations()
 

@@ -1,8 +1,11 @@
 """The records the dispatcher hands out: a ticket (a request waiting for room), a slot (room granted), snapshots."""
+
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+
+from tokenfleet.dispatch.reservations import Usage
 
 
 @dataclass
@@ -28,7 +31,7 @@ class Slot:
     waited_s: float
     reserved: bool = False
     released: bool = False
-    usage: object = field(default=None, repr=False, compare=False)  # the dispatcher's throughput-window entry
+    usage: Usage | None = field(default=None, repr=False, compare=False)  # the dispatcher's throughput-window entry
 
 
 @dataclass

@@ -1,22 +1,33 @@
 """The Redis side of the quota: key names, running a script by its SHA (loading it on NOSCRIPT), and turning every
 way Redis can be unreachable into QuotaStoreError, within a hard deadline."""
+
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import time
-from typing import Any, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import (BusyLoadingError, ClusterDownError, ConnectionError as RedisConnectionError,
-                              NoScriptError, ReadOnlyError, TimeoutError as RedisTimeoutError, TryAgainError)
+from redis.exceptions import BusyLoadingError, ClusterDownError, NoScriptError, ReadOnlyError, TryAgainError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenfleet.quota.base import QuotaStoreError
 
-UNREACHABLE = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, ReadOnlyError, ClusterDownError,
-               TryAgainError, OSError, asyncio.TimeoutError)
+UNREACHABLE = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    BusyLoadingError,
+    ReadOnlyError,
+    ClusterDownError,
+    TryAgainError,
+    OSError,
+    asyncio.TimeoutError,
+)
 
 
 class Script:
@@ -25,13 +36,19 @@ class Script:
         self.sha = hashlib.sha1(source.encode()).hexdigest()
 
 
-def connect(url: str, *, connect_timeout_s: float = 0.25, socket_timeout_s: float = 0.25,
-            max_connections: int = 16) -> aioredis.Redis:
+def connect(
+    url: str, *, connect_timeout_s: float = 0.25, socket_timeout_s: float = 0.25, max_connections: int = 16
+) -> aioredis.Redis:
     """A client for the quota: short timeouts, and no retries, because a script whose reply was lost may have run
     (retrying a reserve would charge twice). A bounded pool whose callers queue for a free connection."""
     pool = aioredis.BlockingConnectionPool.from_url(
-        url, max_connections=max_connections, timeout=None, socket_connect_timeout=connect_timeout_s,
-        socket_timeout=socket_timeout_s, retry=Retry(NoBackoff(), 0))
+        url,
+        max_connections=max_connections,
+        timeout=None,
+        socket_connect_timeout=connect_timeout_s,
+        socket_timeout=socket_timeout_s,
+        retry=Retry(NoBackoff(), 0),
+    )
     return aioredis.Redis(connection_pool=pool)
 
 
@@ -59,6 +76,7 @@ class RedisStore:
                 return await self.client.evalsha(script.sha, len(keys), *keys, *args)
             except NoScriptError:  # a restarted or failed-over server: EVAL runs it and caches it again
                 return await self.client.eval(script.source, len(keys), *keys, *args)
+
         return await self._bounded(call)
 
     async def command(self, *args: Any) -> Any:

@@ -1,4 +1,5 @@
 """The simulator's request record: one turn of one conversation, from arrival at a gateway to its last token."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

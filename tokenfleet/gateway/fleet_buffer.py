@@ -1,0 +1,123 @@
+"""A fleet gateway's resume buffer: Redis, where any gateway can resume a stream, and a copy in memory of the
+streams this gateway relays, which its own clients read. When Redis fails, requests are still served: a new stream
+goes on without resume elsewhere (`resumable` is False: the gateway says so in a header), and a stream in flight
+goes on from the copy, so its clients never notice."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from tokenfleet.api.errors import APIError
+from tokenfleet.gateway.resume import REDIS_FAILURES, Follower, MemoryResumeBuffer, RedisResumeBuffer, StreamEvent
+
+log = logging.getLogger(__name__)
+UNSHARED = "the resume buffer failed while this request streamed: its remaining events could not be kept for a resume"
+
+
+def redis_client(url: str, connect_timeout_s: float = 0.5, socket_timeout_s: float = 3.0) -> aioredis.Redis:
+    """A client that survives a Redis restart: a pooled connection the old server closed is reconnected and the
+    command sent again, once, at once (`retry`); one idle for a while is checked with a PING before use. Short
+    timeouts, and no retry of a timeout, because a request's stream waits on these calls."""
+    return aioredis.Redis.from_url(
+        url,
+        socket_connect_timeout=connect_timeout_s,
+        socket_timeout=socket_timeout_s,
+        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+        retry_on_error=[RedisConnectionError],
+        health_check_interval=15,
+    )
+
+
+class FleetResumeBuffer:
+    """Writes each event to Redis first, then to the copy: a client here never sees an event another gateway
+    could not replay (nor one metering could not find). After a Redis failure, new streams skip Redis for
+    `retry_after_s` instead of each waiting for it to fail again."""
+
+    def __init__(self, shared: RedisResumeBuffer, retry_after_s: float = 1.0) -> None:
+        self.shared, self.local = shared, MemoryResumeBuffer(shared.ttl_s)
+        self.retry_after_s = retry_after_s
+        self.unshared: set[str] = set()  # streams relayed here that Redis does not hold (to their end)
+        self._skip_until = 0.0
+        self._failing = False
+
+    async def open(self, request_id: str, owner: str = "", kind: str = "openai") -> None:
+        await self.local.open(request_id, owner, kind)
+        try:
+            if time.monotonic() < self._skip_until:
+                self.unshared.add(request_id)
+            else:
+                await self._share(request_id, self.shared.open(request_id, owner, kind))
+        except BaseException:  # cancelled: nothing will relay this stream
+            self.release(request_id)
+            raise
+
+    async def append(self, request_id: str, event: StreamEvent) -> None:
+        if request_id not in self.unshared:
+            await self._share(request_id, self.shared.append(request_id, event))
+        await self.local.append(request_id, event)
+
+    async def close(self, request_id: str) -> None:
+        if request_id not in self.unshared:
+            await self._share(request_id, self.shared.close(request_id))
+        elif time.monotonic() >= self._skip_until:  # readers elsewhere get an error, not a stream that stalls
+            with contextlib.suppress(*REDIS_FAILURES):
+                await self.shared.abandon(request_id, UNSHARED)
+        await self.local.close(request_id)
+
+    async def _share(self, request_id: str, write: Awaitable[None]) -> None:
+        try:
+            await write
+        except REDIS_FAILURES as e:
+            self.unshared.add(request_id)
+            self._skip_until = time.monotonic() + self.retry_after_s
+            if not self._failing:
+                log.warning("resume buffer: Redis failed (%r); streams go on without resume until it is back", e)
+            self._failing = True
+            return
+        if self._failing:
+            log.warning("resume buffer: Redis is back")
+        self._failing = False
+
+    async def owner(self, request_id: str) -> str | None:
+        if self.local.holds(request_id):
+            return await self.local.owner(request_id)
+        try:
+            return await self.shared.owner(request_id)
+        except REDIS_FAILURES as e:
+            raise APIError(
+                503,
+                f"streams cannot be resumed right now: the resume buffer is unavailable "
+                f"({type(e).__name__}); retry shortly",
+                "service_unavailable",
+                code="service_unavailable",
+                headers={"retry-after": "1"},
+            ) from e
+
+    def follow(self, request_id: str, after: int) -> Follower:
+        source = self.local if self.local.holds(request_id) else self.shared
+        return source.follow(request_id, after)
+
+    def read(self, request_id: str, after: int) -> AsyncIterator[StreamEvent]:
+        source = self.local if self.local.holds(request_id) else self.shared
+        return source.read(request_id, after)
+
+    def resumable(self, request_id: str) -> bool:
+        return request_id not in self.unshared
+
+    def release(self, request_id: str) -> None:
+        self.local.forget(request_id)
+        self.unshared.discard(request_id)
+
+    async def last_usage(self, request_id: str) -> dict | None:
+        return await self.shared.last_usage(request_id)
+
+    async def keep_alive(self) -> None:
+        await self.shared.keep_alive()

@@ -101,7 +101,7 @@ def replica_load() -> dict:
             running=[request(RequestStatus.RUNNING, 1), request(RequestStatus.RUNNING, 300)],
             queue=[request(RequestStatus.WAITING, 500), request(RequestStatus.SWAPPED, 40)],
         ),
-        blocks=SimpleNamespace(usage=lambda: 0.625, num_blocks=4096),
+        blocks=SimpleNamespace(usage=lambda: 0.625, num_blocks=4096, block_size=16),
     )
     return load_report(engine)
 

@@ -21,7 +21,7 @@ def load_report(engine: Any) -> dict[str, float]:
         + sum(r.num_uncomputed_tokens for r in running if r.num_uncomputed_tokens > 1),
         "kv_usage": round(engine.blocks.usage(), 4),
         "num_blocks": engine.blocks.num_blocks,
-        "kv_cache_tokens": engine.runner.kv_cache_tokens,
+        "kv_cache_tokens": engine.blocks.num_blocks * engine.blocks.block_size,
     }
 
 

@@ -156,6 +156,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def add_gateway(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="fleet.yaml (see docs/architecture.md)")
+    parser.add_argument("--host", default=None, help="address to listen on (default: the file's host)")
+    parser.add_argument("--port", type=int, default=None, help="port to listen on (default: the file's port)")
 
 
 def run_gateway(args: argparse.Namespace) -> int:

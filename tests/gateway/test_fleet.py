@@ -119,3 +119,18 @@ def test_gateway_drains_on_sigterm(fleet, tmp_path):
         assert refused, "the draining gateway still accepted a new connection"
         assert events[-1][1] == "[DONE]" and len([e for e in events if e[1] != "[DONE]"]) >= 300
         assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+
+
+def test_gateway_flags_override_the_files_host_and_port(fleet, tmp_path):
+    """`tokenfleet gateway --config F --port P`: the same fleet file, another port, and it serves there."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    config = fleet.log.parent / "fleet.yaml"
+    with running_process(
+        ["gateway", "--config", str(config), "--host", "127.0.0.1", "--port", str(port)],
+        f"{base}/health",
+        tmp_path / "gateway.log",
+    ):
+        models = httpx.get(f"{base}/v1/models", headers=fleet.auth("paid"), timeout=10)
+        assert models.status_code == 200
+        assert yaml.safe_load(config.read_text())["port"] != port

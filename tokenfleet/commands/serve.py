@@ -251,6 +251,8 @@ def admin_routes(gateway: Gateway, store: TenantStore | None, config: FleetConfi
 def serve_gateway(args: argparse.Namespace) -> None:
     configure_logging()
     config = FleetConfig.load(args.config)
+    config.host = args.host or config.host
+    config.port = args.port or config.port
     if not config.served_models():
         raise SystemExit(f"{args.config}: no model to serve: give models (or model_name and model_path)")
     timeout = config.routing.replica_timeout_s

@@ -9,6 +9,7 @@ import re
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenfleet.api.errors import APIError, bad_request
 
@@ -22,6 +23,42 @@ def install_error_handler(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """The framework's own 404 and 405 in OpenAI's shape, which the SDKs read (not {"detail": ...})."""
+        return await api_error(request, _framework_error(request, exc))
+
+
+def _framework_error(request: Request, exc: StarletteHTTPException) -> APIError:
+    route = f"{request.method} {request.url.path}"
+    if exc.status_code == 404:
+        return APIError(404, f"no route {route}; see /docs for the API", code="unknown_route")
+    if exc.status_code == 405:
+        return method_not_allowed(request.method, request.url.path, _methods_for(request))
+    return APIError(
+        exc.status_code, str(exc.detail), "server_error" if exc.status_code >= 500 else "invalid_request_error"
+    )
+
+
+def method_not_allowed(method: str, path: str, allowed: list[str]) -> APIError:
+    methods = ", ".join(allowed) or "none"
+    return APIError(
+        405,
+        f"method not allowed: {method} {path} (allowed: {methods})",
+        code="method_not_allowed",
+        headers={"allow": methods},
+    )
+
+
+def _methods_for(request: Request) -> list[str]:
+    """The methods the app's routes take at this path."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        regex, route_methods = getattr(route, "path_regex", None), getattr(route, "methods", None)
+        if regex is not None and route_methods and regex.match(request.url.path):
+            methods |= set(route_methods)
+    return sorted(methods)
 
 
 async def read_json(request: Request) -> object:

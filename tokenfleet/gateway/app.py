@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenfleet.api.errors import APIError, bad_request, not_found, server_error
-from tokenfleet.api.http import install_error_handler, read_json, until_disconnect
+from tokenfleet.api.http import install_error_handler, method_not_allowed, read_json, until_disconnect
 from tokenfleet.gateway.admin import PREFIX, admin_guard
 from tokenfleet.gateway.formats import CollectFormat
 from tokenfleet.gateway.gateway import Gateway, ModelInfo
@@ -88,7 +88,8 @@ class FrontDoor:
         if completion is None:
             await self.app(scope, receive, send)
         elif scope["method"] != "POST":
-            await JSONResponse({"detail": "Method Not Allowed"}, 405, {"allow": "POST"})(scope, receive, send)
+            refusal = method_not_allowed(scope["method"], path, ["POST"])
+            await JSONResponse(refusal.body(), refusal.status, refusal.headers)(scope, receive, send)
         else:
             await self._completion(scope, receive, send, *completion)
 

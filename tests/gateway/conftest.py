@@ -94,53 +94,54 @@ def with_tenants(platform: Platform) -> Platform:
     return platform
 
 
-@pytest.fixture(scope="session")
-def fleet(demo_model_dir, tmp_path_factory):
-    """Two replicas and a gateway as processes; tenants in PostgreSQL, quotas and streams in Redis."""
-    logs = tmp_path_factory.mktemp("fleet")
+@contextmanager
+def running_fleet(model_dir, logs: Path, settings: dict):
+    """Two replicas and a gateway as processes, tenants in a PostgreSQL database of their own, quotas and streams in
+    Redis under a fresh prefix; `settings` go into the fleet file. Yields the Platform (no tenants yet)."""
     prefix = f"tokenfleet-test:{uuid.uuid4().hex}:"
     ports, gateway_port = [free_port(), free_port()], free_port()
     database = create_postgres_database()
     config = {
         "model_name": MODEL,
-        "model_path": str(demo_model_dir),
+        "model_path": str(model_dir),
         "port": gateway_port,
         "replicas": [f"http://127.0.0.1:{p}" for p in ports],
         "redis_url": "redis://127.0.0.1:6379/0",
         "redis_prefix": prefix + "stream:",
         "database_url": database_url(database),
-        **TENANCY,
+        **settings,
         "quota": {"prefix": prefix + "quota:"},
         "metering": {"stream_key": prefix + "usage"},
     }
     (logs / "fleet.yaml").write_text(yaml.safe_dump(config))
     try:
         with (
-            running_process(
-                replica_args(demo_model_dir, ports[0]), f"http://127.0.0.1:{ports[0]}/health", logs / "r0.log"
-            ),
-            running_process(
-                replica_args(demo_model_dir, ports[1]), f"http://127.0.0.1:{ports[1]}/health", logs / "r1.log"
-            ),
+            running_process(replica_args(model_dir, ports[0]), f"http://127.0.0.1:{ports[0]}/health", logs / "r0.log"),
+            running_process(replica_args(model_dir, ports[1]), f"http://127.0.0.1:{ports[1]}/health", logs / "r1.log"),
             running_process(
                 ["gateway", "--config", str(logs / "fleet.yaml")],
                 f"http://127.0.0.1:{gateway_port}/health",
                 logs / "gateway.log",
             ),
         ):
-            yield with_tenants(
-                Platform(
-                    f"http://127.0.0.1:{gateway_port}",
-                    "fleet",
-                    logs / "gateway.log",
-                    replicas=[f"http://127.0.0.1:{p}" for p in ports],
-                    prefix=prefix,
-                    database_url=database_url(database),
-                )
+            yield Platform(
+                f"http://127.0.0.1:{gateway_port}",
+                "fleet",
+                logs / "gateway.log",
+                replicas=[f"http://127.0.0.1:{p}" for p in ports],
+                prefix=prefix,
+                database_url=database_url(database),
             )
     finally:
         delete_redis_keys(prefix)
         drop_postgres_database(database)
+
+
+@pytest.fixture(scope="session")
+def fleet(demo_model_dir, tmp_path_factory):
+    """Two replicas and a gateway as processes; tenants in PostgreSQL, quotas and streams in Redis."""
+    with running_fleet(demo_model_dir, tmp_path_factory.mktemp("fleet"), TENANCY) as platform:
+        yield with_tenants(platform)
 
 
 @contextmanager

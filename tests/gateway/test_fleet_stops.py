@@ -13,11 +13,9 @@ import uuid
 import httpx
 import pytest
 import redis
-import yaml
 
-from tests.gateway.conftest import ADMIN_KEY, MODEL, Platform, replica_args
-from tests.servers import delete_redis_keys, free_port, metric, running_process
-from tests.store.backends import create_postgres_database, database_url, drop_postgres_database
+from tests.gateway.conftest import ADMIN_KEY, MODEL, Platform, running_fleet
+from tests.servers import metric
 
 GRACE_S = 1.0
 SETTLE_S = 5.0  # after the grace period, by when everything must be free again
@@ -44,48 +42,8 @@ STOPS = {
 @pytest.fixture(scope="module")
 def stops_fleet(demo_model_dir, tmp_path_factory):
     """Two replicas and a gateway as processes, with this module's tiers."""
-    logs = tmp_path_factory.mktemp("stops")
-    prefix = f"tokenfleet-test:{uuid.uuid4().hex}:"
-    ports, gateway_port = [free_port(), free_port()], free_port()
-    database = create_postgres_database()
-    config = {
-        "model_name": MODEL,
-        "model_path": str(demo_model_dir),
-        "port": gateway_port,
-        "replicas": [f"http://127.0.0.1:{p}" for p in ports],
-        "redis_url": "redis://127.0.0.1:6379/0",
-        "redis_prefix": prefix + "stream:",
-        "database_url": database_url(database),
-        **STOPS,
-        "quota": {"prefix": prefix + "quota:"},
-        "metering": {"stream_key": prefix + "usage"},
-    }
-    (logs / "fleet.yaml").write_text(yaml.safe_dump(config))
-    try:
-        with (
-            running_process(
-                replica_args(demo_model_dir, ports[0]), f"http://127.0.0.1:{ports[0]}/health", logs / "r0.log"
-            ),
-            running_process(
-                replica_args(demo_model_dir, ports[1]), f"http://127.0.0.1:{ports[1]}/health", logs / "r1.log"
-            ),
-            running_process(
-                ["gateway", "--config", str(logs / "fleet.yaml")],
-                f"http://127.0.0.1:{gateway_port}/health",
-                logs / "gateway.log",
-            ),
-        ):
-            yield Platform(
-                f"http://127.0.0.1:{gateway_port}",
-                "fleet",
-                logs / "gateway.log",
-                replicas=[f"http://127.0.0.1:{p}" for p in ports],
-                prefix=prefix,
-                database_url=database_url(database),
-            )
-    finally:
-        delete_redis_keys(prefix)
-        drop_postgres_database(database)
+    with running_fleet(demo_model_dir, tmp_path_factory.mktemp("stops"), STOPS) as platform:
+        yield platform
 
 
 # --- cancel and disconnect -----------------------------------------------------------------------------------------

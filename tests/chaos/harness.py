@@ -230,7 +230,7 @@ def stream_completion(base: str, key: str, max_tokens: int, timeout_s: float = 6
             f"{base}/v1/chat/completions",
             json=chat_body(max_tokens),
             timeout=timeout_s,
-            headers={"Authorization": f"Bearer {key}"},
+            headers={"Authorization": f"Bearer {key}", "x-tokenfleet-resumable": "true"},
         ) as response:
             outcome.status, outcome.headers = response.status_code, dict(response.headers)
             if response.status_code != 200:

@@ -52,7 +52,7 @@ def read_then_kill(fleet, key: str, process, read_s: float) -> tuple[Outcome, di
         f"{fleet.base}/v1/chat/completions",
         json=chat_body(1500),
         timeout=30,
-        headers={"Authorization": f"Bearer {key}"},
+        headers={"Authorization": f"Bearer {key}", "x-tokenfleet-resumable": "true"},
     ) as response:
         assert response.status_code == 200, response.read()
         outcome.status, outcome.headers = 200, dict(response.headers)

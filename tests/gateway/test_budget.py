@@ -8,6 +8,7 @@ import asyncio
 
 from tokenfleet.gateway.admission import Admission, Admitted
 from tokenfleet.gateway.budget import BudgetGuard, within_budget
+from tokenfleet.gateway.chunks import Chunk
 from tokenfleet.quota import Limits, MemoryQuota, QuotaUnavailable, Scope
 
 PROMPT = 10
@@ -24,12 +25,14 @@ class Replica:
             for i in range(self.tokens):
                 index = i % self.choices
                 part = {"delta": {"content": f"t{i} "}} if self.kind == "chat" else {"text": f"t{i} "}
-                yield {
-                    "id": "r",
-                    "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
-                    "choices": [{"index": index, **part, "finish_reason": None}],
-                    "usage": {"prompt_tokens": PROMPT, "completion_tokens": i + 1},
-                }
+                yield Chunk.from_wire(
+                    {
+                        "id": "r",
+                        "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+                        "choices": [{"index": index, **part, "finish_reason": None}],
+                        "usage": {"prompt_tokens": PROMPT, "completion_tokens": i + 1},
+                    }
+                )
         finally:
             self.closed = True
 
@@ -42,7 +45,8 @@ async def admitted_with(quota, tokens: int, **limits: int) -> tuple[Admission, A
 
 
 async def relayed(replica: Replica, admission: Admission, admitted: Admitted, choices: int = 1) -> list[dict]:
-    return [c async for c in within_budget(replica.chunks(), BudgetGuard(admission, admitted, step=8), choices)]
+    chunks = within_budget(replica.chunks(), BudgetGuard(admission, admitted, step=8), choices)
+    return [c.with_client_usage() async for c in chunks]
 
 
 def test_a_response_stops_for_length_where_the_budget_ends():
@@ -71,11 +75,12 @@ def test_every_open_choice_ends_and_a_finished_one_is_left_alone():
 
         async def with_choice_1_finished():
             async for chunk in replica.chunks():
-                if chunk["choices"][0]["index"] == 1:
-                    chunk["choices"][0]["finish_reason"] = "stop"
+                if chunk.choices[0]["index"] == 1:
+                    chunk.choices[0]["finish_reason"] = "stop"
                 yield chunk
 
-        out = [c async for c in within_budget(with_choice_1_finished(), BudgetGuard(admission, admitted), 3)]
+        chunks = within_budget(with_choice_1_finished(), BudgetGuard(admission, admitted), 3)
+        out = [c.with_client_usage() async for c in chunks]
         ends = out[-2]["choices"]
         assert [(c["index"], c["text"], c["finish_reason"]) for c in ends] == [(0, "", "length"), (2, "", "length")]
         assert out[-1]["usage"]["completion_tokens"] == 7

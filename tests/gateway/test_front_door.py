@@ -43,7 +43,9 @@ def test_completion_routes_answer_and_every_v1_request_is_counted(demo_model_dir
         assert whole.status_code == 200 and whole.json()["choices"][0]["message"]["content"] == "t0t1"
         assert whole.headers["x-request-id"] == whole.json()["id"] and "x-resume-token" in whole.headers
         assert streamed.headers["content-type"].startswith("text/event-stream")
-        assert streamed.text.rstrip().endswith("data: [DONE]") and "id: 1\n" in streamed.text
+        assert streamed.text.rstrip().endswith("data: [DONE]")
+        assert all(line.startswith("data: ") for line in streamed.text.splitlines() if line), "OpenAI sends no ids"
+        assert "id: 1\n" in native.text
         assert "event: done" in native.text and '"delta": "t0"' in native.text
         assert text.status_code == 200 and text.json()["id"].startswith("cmpl-")
         assert unknown_model.status_code == 404 and unknown_model.json()["error"]["code"] == "model_not_found"
@@ -60,5 +62,22 @@ def test_completion_routes_answer_and_every_v1_request_is_counted(demo_model_dir
             ("/v1/models", "200"): 1,
             ("unknown", "404"): 1,
         }  # /health is not an API request: not counted
+
+    asyncio.run(scenario())
+
+
+def test_a_client_that_asks_for_a_resumable_stream_gets_the_event_ids(demo_model_dir):
+    async def scenario():
+        gateway = inprocess_gateway(demo_model_dir, [RecordingUpstream(count=3)])
+        transport = httpx.ASGITransport(app=create_gateway_app(gateway))
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True}
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            streamed = await client.post("/v1/chat/completions", json=chat, headers={"x-tokenfleet-resumable": "true"})
+        ids = [int(line[4:]) for line in streamed.text.splitlines() if line.startswith("id: ")]
+        assert ids == list(range(1, len(ids) + 1)) and len(ids) >= 4  # three chunks and [DONE]
+        request_id = streamed.headers["x-request-id"]
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            replay = await client.get(f"/v1/requests/{request_id}/stream", headers={"Last-Event-ID": str(ids[1])})
+        assert [int(line[4:]) for line in replay.text.splitlines() if line.startswith("id: ")] == ids[2:]
 
     asyncio.run(scenario())

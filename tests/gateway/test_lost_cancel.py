@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+from tokenfleet.gateway.chunks import Chunk
 from tokenfleet.gateway.formats import OpenAIFormat
 from tokenfleet.gateway.relay import Relay
 from tokenfleet.gateway.resume import MemoryResumeBuffer, StreamEvent, read_all
@@ -46,11 +47,13 @@ class Replica:
         try:
             while True:
                 await asyncio.sleep(0)
-                yield {
-                    "id": "x",
-                    "object": "chat.completion.chunk",
-                    "choices": [{"index": 0, "delta": {"content": "t"}, "finish_reason": None}],
-                }
+                yield Chunk(
+                    {
+                        "id": "x",
+                        "object": "chat.completion.chunk",
+                        "choices": [{"index": 0, "delta": {"content": "t"}, "finish_reason": None}],
+                    }
+                )
         finally:
             self.closed = True
 

@@ -64,7 +64,7 @@ def make_gateway(model_dir, upstream, buffer=None, **settings) -> Gateway:
 
 
 async def start(gateway: Gateway, include_usage: bool = False):
-    p = await gateway.prepare(
+    p = await gateway.preparation.prepare(
         "chat", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}, gateway.auth.open_caller
     )
     return await gateway.start_relay(p, OpenAIFormat(p.request_id, include_usage))
@@ -74,7 +74,7 @@ def test_heartbeats_while_the_stream_is_idle(demo_model_dir):
     async def scenario():
         gateway = make_gateway(demo_model_dir, FakeUpstream(3, delay=0.25), ping_interval_s=0.05)
         relay = await start(gateway)
-        body = b"".join(await run_response(gateway.sse(relay.request_id, 0))).decode()
+        body = b"".join(await run_response(gateway.streams.sse(relay.request_id, 0))).decode()
         assert body.count(": ping\n\n") >= 6
         assert body.rstrip().endswith("data: [DONE]")
 
@@ -86,12 +86,12 @@ def test_slow_reader_is_cut_off_and_resumes_everything(demo_model_dir):
         gateway = make_gateway(demo_model_dir, FakeUpstream(60), max_lag_events=5)
         relay = await start(gateway, include_usage=True)
         endings = []
-        response = gateway.sse(relay.request_id, 0)
+        response = gateway.streams.sse(relay.request_id, 0)
         response.on_end = lambda how, inner=response.on_end: (endings.append(how), inner(how))
         sent = await run_response(response, send_delay=0.01)
         assert endings == ["slow"]
         await relay.finished.wait()
-        assert not relay.task.cancelled() and relay.usage["completion_tokens"] == 60, "generation must go on"
+        assert not relay.task.cancelled() and relay.usage.completion_tokens == 60, "generation must go on"
         got = [int(line[4:]) for chunk in sent for line in chunk.decode().splitlines() if line.startswith("id: ")]
         resumed = [e async for e in gateway.buffer.read(relay.request_id, got[-1])]
         ids = got + [e.id for e in resumed]
@@ -109,9 +109,9 @@ def test_cancel_stops_generation_and_closes_the_stream(demo_model_dir):
         await asyncio.sleep(0.05)
         stranger = Caller(replace(gateway.auth.open_caller.principal, org_id="someone-else"), default_tiers()["paid"])
         with pytest.raises(APIError) as refused:
-            gateway.cancel(relay.request_id, stranger)
+            gateway.streams.cancel(relay.request_id, stranger)
         assert refused.value.status == 404, "another tenant's request looks like no request at all"
-        assert gateway.cancel(relay.request_id, gateway.auth.open_caller)
+        assert gateway.streams.cancel(relay.request_id, gateway.auth.open_caller)
         await relay.finished.wait()
         events = [e async for e in gateway.buffer.read(relay.request_id, 0)]
         assert events[-1].data == "[DONE]" and len(events) < 100

@@ -62,6 +62,9 @@ def stream_body(max_tokens: int = 12, **extra) -> dict:
     }
 
 
+RESUMABLE = {"x-tokenfleet-resumable": "true"}  # event ids on an OpenAI stream, to resume from one
+
+
 def parse_events(lines: list[str]) -> list[tuple[int | None, str]]:
     """(id, data) per event of raw SSE lines."""
     events, event_id = [], None
@@ -110,7 +113,7 @@ def test_sdk_chat_and_completions(client):
 
 
 def test_raw_sse_ids_and_headers(server):
-    with httpx.stream("POST", f"{server}/v1/chat/completions", json=stream_body()) as response:
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=stream_body(), headers=RESUMABLE) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         assert response.headers["cache-control"] == "no-cache"
@@ -123,9 +126,9 @@ def test_raw_sse_ids_and_headers(server):
 
 
 def test_resume_with_last_event_id_gets_every_event_once(server):
-    with httpx.stream("POST", f"{server}/v1/chat/completions", json=stream_body(40)) as response:
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=stream_body(40), headers=RESUMABLE) as response:
         full = parse_events(list(response.iter_lines()))
-    with httpx.stream("POST", f"{server}/v1/chat/completions", json=stream_body(40)) as response:
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=stream_body(40), headers=RESUMABLE) as response:
         request_id = response.headers["x-request-id"]
         lines = response.iter_lines()
         first = []
@@ -145,7 +148,7 @@ def test_resume_with_last_event_id_gets_every_event_once(server):
 
 
 def test_cancel_frees_the_replica(server):
-    with httpx.stream("POST", f"{server}/v1/chat/completions", json=stream_body(400)) as response:
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=stream_body(400), headers=RESUMABLE) as response:
         request_id = response.headers["x-request-id"]
         lines = response.iter_lines()
         next(lines)
@@ -251,7 +254,7 @@ def test_the_fleet_file_sets_how_long_a_stream_can_be_resumed(demo_model_dir, tm
         f"sqlite:///{tmp_path / 'serve.db'}",
     ]
     with running_process(args, f"{base}/health", tmp_path / "serve.log"):
-        with httpx.stream("POST", f"{base}/v1/chat/completions", json=stream_body(4)) as response:
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=stream_body(4), headers=RESUMABLE) as response:
             request_id = response.headers["x-request-id"]
             events = parse_events(list(response.iter_lines()))
         ended = time.monotonic()

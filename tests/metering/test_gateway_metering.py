@@ -99,7 +99,7 @@ async def test_a_finished_request_is_one_row_with_its_counts_timing_and_route(me
     gateway, quota = metered
     caller = gateway.auth.open_caller
     relay = await gateway.admit("chat", chat(6, ignore_eos=True), caller)
-    response = await gateway.complete(relay, "chat")
+    response = await gateway.streams.complete(relay, "chat")
     row = await warehouse_row(db, relay.request_id)
     assert (row.input_tokens, row.output_tokens) == (response["usage"]["prompt_tokens"], 6)
     assert row.status == "finished" and row.org_id == "local" and row.tier == "free" and row.model == MODEL

@@ -88,7 +88,7 @@ def stream(fleet, content: str, started: threading.Barrier | None = None) -> tup
         f"{fleet['base']}/v1/chat/completions",
         json=body,
         timeout=120,
-        headers={"Authorization": f"Bearer {fleet['key']}"},
+        headers={"Authorization": f"Bearer {fleet['key']}", "x-tokenfleet-resumable": "true"},
     ) as response:
         assert response.status_code == 200, response.read()
         raw = []

@@ -150,7 +150,7 @@ def serving(fleet, among: range) -> int:
 
 def stream_until_killed(fleet, stop_replica) -> tuple[list, dict]:
     """Streams a long response, stops the replica serving it after a few events, reads on to the end."""
-    headers = {"Authorization": f"Bearer {fleet['key']}"}
+    headers = {"Authorization": f"Bearer {fleet['key']}", "x-tokenfleet-resumable": "true"}
     with httpx.stream(
         "POST",
         f"{fleet['base']}/v1/chat/completions",
@@ -261,7 +261,7 @@ def test_a_conversation_finds_its_replica_cache_again(fleet):
 def test_drain_lets_streams_finish_and_sends_new_work_elsewhere(fleet):
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     target = fleet["replicas"][2]
-    headers = {"Authorization": f"Bearer {fleet['key']}"}
+    headers = {"Authorization": f"Bearer {fleet['key']}", "x-tokenfleet-resumable": "true"}
     with httpx.stream(
         "POST", f"{fleet['base']}/v1/chat/completions", headers=headers, timeout=60, json=body(V2, 200, stream=True)
     ) as response:

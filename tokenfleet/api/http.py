@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -139,10 +140,11 @@ async def until_disconnect(request: Request, work) -> dict:
             raise APIError(499, "client closed the request", code="client_closed_request")
 
 
-def run_http(app: FastAPI, host: str, port: int, drain_timeout_s: float) -> None:
+def run_http(app: FastAPI, host: str, port: int, drain_timeout_s: float, reuse_port: bool = False) -> None:
     """Serves with uvloop + httptools. On SIGTERM uvicorn stops accepting connections and lets in-flight requests
-    (streams included) finish for at most `drain_timeout_s` before it exits."""
-    uvicorn.run(
+    (streams included) finish for at most `drain_timeout_s` before it exits. reuse_port: several processes listen
+    on the same port (SO_REUSEPORT) and the kernel spreads the connections over them."""
+    config = uvicorn.Config(
         app,
         host=host,
         port=port,
@@ -151,3 +153,15 @@ def run_http(app: FastAPI, host: str, port: int, drain_timeout_s: float) -> None
         log_level="warning",
         timeout_graceful_shutdown=drain_timeout_s,
     )
+    server = uvicorn.Server(config)
+    server.run(sockets=[_reusable_socket(host, port)] if reuse_port else None)
+
+
+def _reusable_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock

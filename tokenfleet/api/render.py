@@ -6,28 +6,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tokenfleet.api.usage import Usage
 from tokenfleet.engine.request import TokenLogprob
 from tokenfleet.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from tokenfleet.engine.engine import RequestOutput
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    engine_s: float = 0.0  # the replica's busy time spent on it; the gateway meters it and keeps it from clients
-
-    def as_dict(self) -> dict:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-            "engine_s": round(self.engine_s, 6),
-        }
 
 
 @dataclass

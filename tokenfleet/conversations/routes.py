@@ -22,27 +22,16 @@ from tokenfleet.conversations.run import Run
 from tokenfleet.conversations.service import ConversationService, ReplyOptions, owner_of
 from tokenfleet.conversations.settings import ConversationSettings
 from tokenfleet.conversations.store import ConversationStore
+from tokenfleet.gateway.app import EVENT_ID
 from tokenfleet.gateway.gateway import Gateway
+from tokenfleet.gateway.routing import SAMPLING_FIELDS
 from tokenfleet.gateway.sse_response import SSEResponse
 from tokenfleet.store.db import Database
 from tokenfleet.store.models import NAME_LENGTH
 from tokenfleet.store.records import NotFound
 
 # what a reply request may set besides model and max_tokens (checked by the chat API's own rules)
-SAMPLING = {
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "ignore_eos",
-    "min_tokens",
-}
+SAMPLING = {*SAMPLING_FIELDS, "min_tokens"}
 
 
 class NewConversation(BaseModel):
@@ -279,6 +268,24 @@ def _reply_routes(app: FastAPI, gateway: Gateway, service: ConversationService) 
             run = await until_disconnect(request, service.redo(caller, message_id, continuing, options))
         return reply_stream(gateway, run)
 
+    @app.get("/v1/messages/{message_id}/stream")
+    async def follow(message_id: str, request: Request) -> SSEResponse:
+        """A reply generating on this gateway, from after Last-Event-ID (the ids its stream was sent with), so a
+        dropped connection or a refresh goes on without losing or repeating text. x-reply-prefix-length: how many
+        characters of the saved text came before this generation (continue), the rest being its tokens."""
+        caller = await gateway.auth.caller(request)
+        after = _last_event_id(request)
+        with conversation_errors():
+            message = await service.store.message(owner_of(caller), message_id)  # 404 for anyone else's
+        run = service.runs.get(message.id)
+        if run is None:  # finished, or generating on another gateway of the fleet
+            raise conflict(
+                f"message {message_id} is not generating on this gateway (status {message.status}); "
+                f"read it with GET /v1/messages/{message_id}",
+                code="reply_not_live",
+            )
+        return reply_stream(gateway, run, after)
+
     @app.post("/v1/messages/{message_id}/regenerate")
     async def regenerate(message_id: str, request: Request) -> SSEResponse:
         return await redo(message_id, request, continuing=False)
@@ -288,12 +295,28 @@ def _reply_routes(app: FastAPI, gateway: Gateway, service: ConversationService) 
         return await redo(message_id, request, continuing=True)
 
 
-def reply_stream(gateway: Gateway, run: Run) -> SSEResponse:
-    """The reply's events from its start (`start`, `token`..., `done`), with the gateway's heartbeats and send
-    timeout. A client that hangs up only ends its own connection."""
-    headers = {"x-request-id": run.request_id, "x-conversation-id": run.conversation_id, "x-message-id": run.message_id}
+def _last_event_id(request: Request) -> int:
+    last = request.headers.get("last-event-id") or request.query_params.get("last_event_id") or "0"
+    if not EVENT_ID.fullmatch(last):
+        raise bad_request(
+            "Last-Event-ID must be the integer id of an event (ASCII digits, at most 18)", param="Last-Event-ID"
+        )
+    return int(last)
+
+
+def reply_stream(gateway: Gateway, run: Run, after: int = 0) -> SSEResponse:
+    """The reply's events after event `after` (from its start: `start`, `token`..., `done`), with the gateway's
+    heartbeats and send timeout. A client that hangs up only ends its own connection."""
+    headers = {
+        "x-request-id": run.request_id,
+        "x-conversation-id": run.conversation_id,
+        "x-message-id": run.message_id,
+        "x-reply-prefix-length": str(len(run.prefix)),
+    }
+    follower = run.follow()
+    follower.position = min(after, len(run.events))
     return SSEResponse(
-        run.follow(),
+        follower,
         headers,
         gateway.settings.ping_interval_s,
         gateway.settings.send_timeout_s,

@@ -41,9 +41,10 @@ class Run:
 
     def usage(self) -> tuple[int | None, int, int | None]:
         """Prompt, generated (by this run) and cached tokens: the relay keeps the replica's count so far."""
-        usage = self.relay.usage or {}
-        details = usage.get("prompt_tokens_details") or {}
-        return usage.get("prompt_tokens"), usage.get("completion_tokens", 0), details.get("cached_tokens")
+        usage = self.relay.usage
+        if usage is None:
+            return None, 0, None
+        return usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens
 
     def apply(self, event: StreamEvent) -> None:
         """One native event of the relay."""

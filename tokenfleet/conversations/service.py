@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from tokenfleet.api.errors import not_found
 from tokenfleet.conversations.prompt import Prompt, fit
-from tokenfleet.conversations.records import STOPPED, STREAMING, Conflict, Message, Owner
+from tokenfleet.conversations.records import STOPPED, STREAMING, Conflict, Conversation, Message, Owner
 from tokenfleet.conversations.run import Run
 from tokenfleet.conversations.settings import ConversationSettings
 from tokenfleet.conversations.store import ConversationStore, check_reopenable
@@ -66,9 +66,12 @@ class ConversationService:
     def default_model(self) -> str:
         return self.settings.default_model or next(iter(self.gateway.router.catalog.models))
 
-    def _max_tokens(self, options: ReplyOptions, info: ModelInfo) -> int:
-        # a default that leaves room for history: at most a quarter of the window
-        return options.max_tokens or max(1, min(self.settings.max_tokens, info.max_model_len // 4))
+    def _generation(self, options: ReplyOptions, conv: Conversation) -> tuple[str, ModelInfo, int]:
+        """The reply's model (the request's, else the conversation's), its tokenizer and window, and max_tokens: a
+        default that leaves room for history, at most a quarter of the window."""
+        model = options.model or conv.model
+        info = self.model_info(model)
+        return model, info, options.max_tokens or max(1, min(self.settings.max_tokens, info.max_model_len // 4))
 
     # --- starting replies -------------------------------------------------------------------------------------
 
@@ -84,9 +87,7 @@ class ConversationService:
             raise Conflict(
                 f"a reply is still streaming in this conversation (message {busy.id}); wait for it or stop it first"
             )
-        model = options.model or conv.model
-        info = self.model_info(model)
-        max_tokens = self._max_tokens(options, info)
+        model, info, max_tokens = self._generation(options, conv)
         prompt = fit(
             info.tokenizer,
             info.max_model_len,
@@ -116,9 +117,7 @@ class ConversationService:
         check_reopenable(msg, history[-1].seq, continuing)
         earlier = [m for m in history if m.seq < msg.seq]
         tail = earlier[-1:] if earlier and earlier[-1].role == "user" else []  # the message it answers
-        model = options.model or conv.model
-        info = self.model_info(model)
-        max_tokens = self._max_tokens(options, info)
+        model, info, max_tokens = self._generation(options, conv)
         prompt = fit(
             info.tokenizer,
             info.max_model_len,

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from tokenfleet.api.usage import Usage
+from tokenfleet.gateway.chunks import Chunk
 
-def aggregate(chunks: list[dict], kind: str) -> dict:
+
+def aggregate(chunks: list[Chunk], kind: str) -> dict:
     """chat.completion.chunk / text_completion chunks -> chat.completion / text_completion."""
     choices: dict[int, dict] = {}
-    usage, head = None, chunks[0] if chunks else {}
+    usage: Usage | None = None
+    head = chunks[0].data if chunks else {}
     for chunk in chunks:
-        if chunk.get("usage"):
-            usage = chunk["usage"]
-        for part in chunk.get("choices", []):
+        usage = chunk.usage or usage
+        for part in chunk.choices:
             _merge(choices.setdefault(part["index"], _empty(part["index"], kind)), part, kind)
     return {
         "id": head.get("id"),
@@ -18,7 +21,7 @@ def aggregate(chunks: list[dict], kind: str) -> dict:
         "created": head.get("created"),
         "model": head.get("model"),
         "choices": [choices[i] for i in sorted(choices)],
-        "usage": usage,
+        "usage": usage.for_client() if usage is not None else None,
     }
 
 

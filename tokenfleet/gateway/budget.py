@@ -17,7 +17,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from tokenfleet.gateway.admission import Admission, Admitted, used_tokens
+from tokenfleet.api.usage import Usage
+from tokenfleet.gateway.admission import Admission, Admitted
+from tokenfleet.gateway.chunks import Chunk, Piece
 
 EXTEND_TOKENS = 64  # how much more a request reserves at a time: a quota call per this many tokens
 
@@ -40,23 +42,26 @@ class BudgetGuard:
         return granted
 
 
-async def within_budget(chunks: AsyncIterator[dict], guard: BudgetGuard, choices: int) -> AsyncIterator[dict]:
+async def within_budget(chunks: AsyncIterator[Piece], guard: BudgetGuard, choices: int) -> AsyncIterator[Piece]:
     """`chunks` as long as their usage is reserved; then the closing chunks of a response cut for length."""
-    covered: dict | None = None  # the usage of the last chunk passed on: what the request is charged
+    covered: Usage | None = None  # the usage of the last chunk passed on: what the request is charged
     finished: set[int] = set()
     async with aclosing(chunks):
         async for chunk in chunks:
-            usage = chunk.get("usage")
-            if usage and not await guard.covers(used_tokens(usage)):
-                for closing in _cut_for_length(chunk, covered, choices, finished):
+            if not isinstance(chunk, Chunk):
+                yield chunk
+                continue
+            usage = chunk.usage
+            if usage is not None and not await guard.covers(usage.total_tokens):
+                for closing in _cut_for_length(chunk.data, covered, choices, finished):
                     yield closing
                 return
             covered = usage or covered
-            finished.update(c["index"] for c in chunk.get("choices", ()) if c.get("finish_reason"))
+            finished.update(c["index"] for c in chunk.choices if c.get("finish_reason"))
             yield chunk
 
 
-def _cut_for_length(template: dict, usage: dict | None, choices: int, finished: set[int]) -> list[dict]:
+def _cut_for_length(template: dict, usage: Usage | None, choices: int, finished: set[int]) -> list[Chunk]:
     """The chunk that ends every open choice with finish_reason "length", then the usage chunk."""
     head = {k: template[k] for k in ("id", "object", "created", "model") if k in template}
     chat = template.get("object") == "chat.completion.chunk"
@@ -67,7 +72,7 @@ def _cut_for_length(template: dict, usage: dict | None, choices: int, finished: 
         for i in range(choices)
         if i not in finished
     ]
-    out = [{**head, "choices": ends, **({"usage": usage} if usage else {})}] if ends else []
-    if usage:
-        out.append({**head, "choices": [], "usage": usage})
+    out = [Chunk({**head, "choices": ends}, usage)] if ends else []
+    if usage is not None:
+        out.append(Chunk({**head, "choices": []}, usage))
     return out

@@ -16,6 +16,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from tokenfleet.api.errors import APIError
+from tokenfleet.api.usage import Usage
 from tokenfleet.gateway.resume import REDIS_FAILURES, Follower, MemoryResumeBuffer, RedisResumeBuffer, StreamEvent
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ class FleetResumeBuffer:
         self.local.forget(request_id)
         self.unshared.discard(request_id)
 
-    async def last_usage(self, request_id: str) -> dict | None:
+    async def last_usage(self, request_id: str) -> Usage | None:
         return await self.shared.last_usage(request_id)
 
     async def keep_alive(self) -> None:

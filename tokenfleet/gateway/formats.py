@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass, field
 
 from tokenfleet.api.errors import APIError
+from tokenfleet.api.usage import Usage
+from tokenfleet.gateway.chunks import Chunk, Retrying
 
 Event = tuple[str, str | None]  # (data, event name)
 
@@ -18,14 +20,12 @@ class OpenAIFormat:
     include_usage: bool  # whether the client asked for the final usage chunk
     continuous_usage: bool = False  # ... and for usage on every chunk
 
-    def chunk(self, chunk: dict) -> list[Event]:
-        chunk["id"] = self.request_id
-        if is_usage(chunk):
-            if not self.include_usage:
-                return []
-        elif not self.continuous_usage:
-            chunk.pop("usage", None)
-        return [(json.dumps(chunk), None)]
+    def chunk(self, chunk: Chunk) -> list[Event]:
+        if chunk.usage_only and not self.include_usage:
+            return []
+        data = chunk.with_client_usage() if chunk.usage_only or self.continuous_usage else dict(chunk.data)
+        data["id"] = self.request_id
+        return [(json.dumps(data), None)]
 
     def end(self) -> list[Event]:
         return [("[DONE]", None)]
@@ -33,14 +33,10 @@ class OpenAIFormat:
     def error(self, error: APIError) -> list[Event]:
         return [(json.dumps(error.body()), None)]
 
-    def retrying(self, info: dict) -> list[Event]:
+    def retrying(self, retrying: Retrying) -> list[Event]:
         """A chunk with no choices (clients skip those, like the usage chunk) under the event name `retrying`."""
-        return [
-            (
-                json.dumps({"id": self.request_id, "object": "chat.completion.chunk", "choices": [], "retrying": info}),
-                "retrying",
-            )
-        ]
+        data = {"id": self.request_id, "object": "chat.completion.chunk", "choices": [], "retrying": retrying.as_dict()}
+        return [(json.dumps(data), "retrying")]
 
 
 @dataclass
@@ -48,27 +44,11 @@ class NativeFormat:
     kind = "native"
     request_id: str
 
-    def chunk(self, chunk: dict) -> list[Event]:
-        if is_usage(chunk):
-            usage = chunk["usage"]
-            details = usage.get("prompt_tokens_details") or {}
-            return [
-                (
-                    json.dumps(
-                        {
-                            "id": self.request_id,
-                            "usage": {
-                                "input_tokens": usage["prompt_tokens"],
-                                "cached_tokens": details.get("cached_tokens", 0),
-                                "output_tokens": usage["completion_tokens"],
-                            },
-                        }
-                    ),
-                    "done",
-                )
-            ]
+    def chunk(self, chunk: Chunk) -> list[Event]:
+        if chunk.usage_only:
+            return [(json.dumps({"id": self.request_id, "usage": _native_usage(chunk.usage)}), "done")]
         events = []
-        for choice in chunk.get("choices", []):
+        for choice in chunk.choices:
             delta = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
             event = {"delta": delta, "index": choice["index"]}
             if choice.get("finish_reason"):
@@ -82,8 +62,8 @@ class NativeFormat:
     def error(self, error: APIError) -> list[Event]:
         return [(json.dumps(error.body()), "error")]
 
-    def retrying(self, info: dict) -> list[Event]:
-        return [(json.dumps(info), "retrying")]
+    def retrying(self, retrying: Retrying) -> list[Event]:
+        return [(json.dumps(retrying.as_dict()), "retrying")]
 
 
 @dataclass
@@ -92,10 +72,10 @@ class CollectFormat:
 
     kind = "collect"
     request_id: str
-    chunks: list[dict] = field(default_factory=list)
+    chunks: list[Chunk] = field(default_factory=list)
     failure: APIError | None = None
 
-    def chunk(self, chunk: dict) -> list[Event]:
+    def chunk(self, chunk: Chunk) -> list[Event]:
         self.chunks.append(chunk)
         return []
 
@@ -106,7 +86,7 @@ class CollectFormat:
         self.failure = error
         return []
 
-    def retrying(self, info: dict) -> list[Event]:
+    def retrying(self, retrying: Retrying) -> list[Event]:
         return []
 
 
@@ -117,8 +97,12 @@ def ending_with_error(kind: str, request_id: str, error: APIError) -> list[Event
     return fmt.error(error) + fmt.end()
 
 
-def is_usage(chunk: dict) -> bool:
-    return bool(chunk.get("usage")) and not chunk.get("choices")
+def _native_usage(usage: Usage) -> dict:
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "cached_tokens": usage.cached_tokens,
+        "output_tokens": usage.completion_tokens,
+    }
 
 
 EventFormat = OpenAIFormat | NativeFormat | CollectFormat

@@ -1,74 +1,48 @@
-"""The gateway's work for one request: validate, resolve the model, count tokens, admit (overload ladder, quota,
-fair queue, safety hook), route to a replica and relay its stream into the resume buffer; then resume, cancel and
-reconcile. The HTTP routes around it are in app.py."""
+"""The gateway's work for one request, from admission to its usage record: prepared (preparation.py), admitted
+(overload ladder, quota, fair queue, safety hook), routed to a replica and relayed into the resume buffer, then
+reconciled and metered however it ends. Readers follow, resume and cancel it through the read side (streams.py);
+the HTTP routes around it all are in app.py."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
 import secrets
 import time
-import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 
-from starlette.requests import Request
+from opentelemetry import trace
 
-from tokenfleet.api.errors import APIError, bad_request, not_found
-from tokenfleet.api.protocol import ChatCompletionRequest, CompletionRequest, parse, prompt_token_ids_off_loop
+from tokenfleet.api.errors import APIError, bad_request
 from tokenfleet.dispatch.overload import Plan
 from tokenfleet.gateway.admission import Admission, Admitted
-from tokenfleet.gateway.aggregate import aggregate
 from tokenfleet.gateway.auth import Authenticator, Caller
 from tokenfleet.gateway.budget import BudgetGuard, within_budget
 from tokenfleet.gateway.formats import CollectFormat, EventFormat, NativeFormat, OpenAIFormat
 from tokenfleet.gateway.metrics import GatewayMetrics
+from tokenfleet.gateway.preparation import Body, ModelInfo, Prepared, RequestPreparation
 from tokenfleet.gateway.relay import Relay
 from tokenfleet.gateway.resume import ResumeBuffer
 from tokenfleet.gateway.routing import RoutedRequest, routed_chunks
 from tokenfleet.gateway.safety import SafetyHook, allow_all
 from tokenfleet.gateway.settings import StreamSettings
-from tokenfleet.gateway.sse_response import SSEResponse
+from tokenfleet.gateway.streams import Streams
 from tokenfleet.gateway.usage import usage_event
+from tokenfleet.logs import REQUEST_ID
 from tokenfleet.metering.recorder import UsageRecorder
-from tokenfleet.model.tokenizer import Tokenizer
-from tokenfleet.router.catalog import RequestFacts, Resolution
 from tokenfleet.router.pool import Route
 from tokenfleet.router.router import Router
 from tokenfleet.store.db import Database
+from tokenfleet.tracing import epoch_ns, tracer
 
+__all__ = ["Gateway", "ModelInfo", "Prepared"]
 log = logging.getLogger(__name__)
-Body = ChatCompletionRequest | CompletionRequest
-
-
-@dataclass
-class ModelInfo:
-    name: str
-    tokenizer: Tokenizer
-    max_model_len: int
-    vocab_size: int | None = None  # the model's (its config's); token-id prompts are checked against it
-
-
-@dataclass
-class Prepared:
-    """A request that passed validation: its model, its prompts as tokens, and the body a replica will get."""
-
-    request_id: str
-    kind: str
-    req: Body
-    body: dict
-    resolution: Resolution
-    prompts: list[list[int]]
-    arrived: float = field(default_factory=time.monotonic)  # for the usage record's latency and TTFT
-
-    @property
-    def choices(self) -> int:
-        return self.req.n * len(self.prompts)
+TRACER = tracer("gateway")
 
 
 class Gateway:
+    """The admit -> relay lifecycle, with the request preparation and the read side it shares its relays with."""
+
     def __init__(
         self,
         models: dict[str, ModelInfo],
@@ -79,72 +53,25 @@ class Gateway:
         settings: StreamSettings | None = None,
         safety: SafetyHook = allow_all,
         resume_secret: bytes | None = None,
+        usage: UsageRecorder | None = None,
+        db: Database | None = None,
     ) -> None:
+        """`usage`: metering (a usage event per admitted request), none for a library use without a database;
+        `db`: the tenants' database (tenants, usage, conversations)."""
         self.models, self.router, self.buffer = models, router, buffer
         self.admission, self.auth = admission, auth
         self.settings, self.safety = settings or StreamSettings(), safety
+        self.usage, self.db = usage, db
         self.relays: dict[str, Relay] = {}
         self.metrics = GatewayMetrics(lambda: sum(not r.finished.is_set() for r in self.relays.values()), admission)
+        self.preparation = RequestPreparation(models, router)
+        self.streams = Streams(
+            self.relays, buffer, self.settings, self.metrics, resume_secret or secrets.token_bytes(32)
+        )
         self.extra_metrics: Callable[[], bytes] | None = None  # e.g. the in-process replica's, when embedded
         self._background: set[asyncio.Task] = set()
-        self.resume_secret = resume_secret or secrets.token_bytes(32)
         self.services: list[Callable[[], Awaitable[None]]] = []  # background loops, run while the app serves
         self.closers: list[Callable[[], Awaitable[None]]] = []  # called once at shutdown
-        self.usage: UsageRecorder | None = None  # metering: a usage event per admitted request
-        self.db: Database | None = None  # tenants, usage, conversations
-
-    # --- validation -------------------------------------------------------------------------------------------
-
-    async def prepare(self, kind: str, body: object, caller: Caller, mode: str | None = None) -> Prepared:
-        """Parses the body, resolves the model (aliases, product rules, canary), tokenizes the prompt(s) with that
-        model's tokenizer before anything reaches a replica, and checks them against its context window."""
-        req = parse(ChatCompletionRequest if kind == "chat" else CompletionRequest, body)
-        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        first = self._tokenizer_for(req.model)
-        prompts = await prompt_token_ids_off_loop(req, first.tokenizer)
-        facts = RequestFacts(len(prompts[0]), _has_attachments(body), mode or body.get("mode"))
-        resolution = self.router.resolve(req.model, facts, caller.principal.tier, request_id)
-        info = self.models[resolution.model.name]
-        if info.tokenizer is not first.tokenizer:
-            prompts = await prompt_token_ids_off_loop(req, info.tokenizer)
-        self._check_window(kind, req, prompts, info)
-        return Prepared(request_id, kind, req, {**body, "model": info.name}, resolution, prompts)
-
-    def _tokenizer_for(self, requested: str) -> ModelInfo:
-        """The named model's, or for a routing alias its first rule's (to count the tokens its rules look at)."""
-        rules = self.router.catalog.router_aliases.get(requested)
-        spec = self.router.catalog.lookup(rules[0].model if rules else requested)
-        if spec is None:
-            raise not_found(f"The model `{requested}` does not exist", param="model", code="model_not_found")
-        return self.models[spec.name]
-
-    async def _reroute(self, p: Prepared, model: str, why: str) -> None:
-        """Moves a prepared request to another model (the overload ladder sends free users to the smaller one)."""
-        spec = self.router.catalog.lookup(model)
-        info = self.models[spec.name]
-        if info.tokenizer is not self.models[p.resolution.model.name].tokenizer:
-            p.prompts = await prompt_token_ids_off_loop(p.req, info.tokenizer)
-        self._check_window(p.kind, p.req, p.prompts, info)
-        p.resolution = Resolution(spec, p.resolution.requested, why, spec.deprecated_on)
-        p.body = {**p.body, "model": spec.name}
-
-    def _check_window(self, kind: str, req: Body, prompts: list[list[int]], info: ModelInfo) -> None:
-        max_tokens, param = _max_tokens(kind, req), "messages" if kind == "chat" else "prompt"
-        for prompt in prompts:
-            if not prompt:
-                raise bad_request("the prompt is empty", param=param)
-            if info.vocab_size is not None and max(prompt) >= info.vocab_size:
-                raise bad_request(
-                    f"prompt token id {max(prompt)} is outside the vocabulary (0..{info.vocab_size - 1})", param=param
-                )
-            if len(prompt) + (max_tokens or 1) > info.max_model_len:
-                raise bad_request(
-                    f"This model's maximum context length is {info.max_model_len} tokens; you "
-                    f"requested {len(prompt) + (max_tokens or 1)} tokens ({len(prompt)} in the "
-                    f"prompt, {max_tokens or 1} to generate)",
-                    param=param,
-                    code="context_length_exceeded",
-                )
 
     # --- admission --------------------------------------------------------------------------------------------
 
@@ -159,11 +86,52 @@ class Gateway:
     ) -> Relay:
         """Validate, apply the overload plan, reserve quota, then wait for room (the safety check runs meanwhile)
         and start generating. Anything that fails after the reservation gives it back."""
-        p = await self.prepare(kind, body, caller, mode)
-        plan = self.admission.plan(caller)
+        p = await self.preparation.prepare(kind, body, caller, mode)
+        REQUEST_ID.set(p.request_id)  # in this task's log lines, and sent on to the replica (x-request-id)
+        span = TRACER.start_span(
+            "gateway.request",
+            kind=trace.SpanKind.SERVER,
+            start_time=epoch_ns(p.arrived),
+            attributes={"tokenfleet.request_id": p.request_id, "tokenfleet.tier": caller.principal.tier},
+        )
+        try:
+            return await self._admit(p, caller, native, affinity, span)
+        except BaseException as e:
+            _end_span(span, e)
+            raise
+
+    async def _admit(self, p: Prepared, caller: Caller, native: bool, affinity: str | None, span: trace.Span) -> Relay:
+        admission = TRACER.start_span("admission", trace.set_span_in_context(span), start_time=epoch_ns(p.arrived))
+        try:
+            admitted, tokens = await self._reserve(p, caller)
+        except BaseException as e:
+            _end_span(admission, e)
+            raise
+        admission.set_attribute("tokenfleet.reserved_tokens", tokens)
+        admission.end()
+        queued = asyncio.ensure_future(self.admission.queue(admitted, p.model))
+        try:
+            with TRACER.start_as_current_span("queue_wait", trace.set_span_in_context(span)):
+                refusal = await self.safety(p.body, p.prompts[0])
+                if refusal:
+                    raise bad_request(refusal, code="content_filter")
+                await queued
+            fmt = _event_format(p.request_id, p.req, native)
+            return await self.start_relay(p, fmt, admitted, affinity, span)
+        except BaseException as e:
+            queued.cancel()
+            self._spawn(self._give_back(queued, admitted))
+            if self.usage is not None and p.request_id not in self.relays:  # it never ran: no tokens, no route
+                status = "cancelled" if isinstance(e, asyncio.CancelledError) else "failed"
+                self.usage.finished(usage_event(p.request_id, p.model, caller, p.arrived, None, status))
+            raise
+
+    async def _reserve(self, p: Prepared, caller: Caller) -> tuple[Admitted, int]:
+        """The overload plan (which may move the request to another model or cap its output), then the quota."""
+        plan = self.admission.plan_for(caller)
         if plan.model_override is not None:
-            await self._reroute(p, plan.model_override, f"overload:{plan.level}")
-        if not self.router.pools_for(p.resolution.model.name).can_serve():  # refuse now rather than queue forever
+            await self.preparation.reroute(p, plan.model_override, f"overload:{plan.level}")
+        if not self.router.pools_for(p.model).can_serve():  # refuse now rather than queue forever
             raise APIError(
                 503,
                 f"no replica of {p.resolution.model.name} is taking requests right now; retry shortly",
@@ -171,35 +139,30 @@ class Gateway:
                 code="no_replica",
                 headers={"retry-after": "1"},
             )
-        p.body = _apply_plan(p.body, kind, p.req, plan, caller.tier.priority)
-        limit = _max_tokens(kind, p.req) if plan.max_tokens_cap is None else p.body["max_tokens"]
-        tokens = self.admission.expected_tokens(caller, sum(map(len, p.prompts)), p.choices, limit)
-        admitted = await self.admission.reserve(p.request_id, caller, tokens)
-        queued = asyncio.ensure_future(self.admission.queue(admitted, tokens, p.resolution.model.name))
-        try:
-            refusal = await self.safety(p.body, p.prompts[0])
-            if refusal:
-                raise bad_request(refusal, code="content_filter")
-            await queued
-            return await self.start_relay(p, _event_format(p.request_id, p.req, native), admitted, affinity)
-        except BaseException as e:
-            queued.cancel()
-            self._spawn(self._give_back(queued, admitted))
-            if self.usage is not None and p.request_id not in self.relays:  # it never ran: no tokens, no route
-                status = "cancelled" if isinstance(e, asyncio.CancelledError) else "failed"
-                self.usage.finished(usage_event(p.request_id, p.resolution.model.name, caller, p.arrived, None, status))
-            raise
+        p.body = _apply_plan(p.body, p.max_tokens, plan, caller.tier.priority)
+        limit = p.max_tokens if plan.max_tokens_cap is None else p.body["max_tokens"]
+        tokens = self.admission.tokens_for(caller, p.prompt_tokens, p.choices, limit)
+        return await self.admission.reserve_for(p.request_id, caller, tokens), tokens
 
     async def _give_back(self, queued: asyncio.Future, admitted: Admitted) -> None:
         await asyncio.gather(queued, return_exceptions=True)
-        await self.admission.leave(admitted, None)
+        await self.admission.finish(admitted, None)
 
     # --- relaying ---------------------------------------------------------------------------------------------
 
     async def start_relay(
-        self, p: Prepared, fmt: EventFormat, admitted: Admitted | None = None, affinity: str | None = None
+        self,
+        p: Prepared,
+        fmt: EventFormat,
+        admitted: Admitted | None = None,
+        affinity: str | None = None,
+        span: trace.Span | None = None,
     ) -> Relay:
+        """`span`: the request's own (ended with it); the relay's span and each routing attempt's go under it."""
         model = p.resolution.model.name
+        span = span or TRACER.start_span("gateway.request", start_time=epoch_ns(p.arrived))
+        span.set_attribute("gen_ai.request.model", model)
+        relay_span = TRACER.start_span("relay", trace.set_span_in_context(span))
         route = Route(model, "", "", "", 0, rule=p.resolution.rule)
         routed = RoutedRequest(
             self.router.pools_for(model),
@@ -211,6 +174,7 @@ class Gateway:
             affinity,
             self.router.settings.max_retries,
             p.choices,
+            trace=relay_span,
         )
         relay = Relay(
             p.request_id,
@@ -232,15 +196,16 @@ class Gateway:
                 p.request_id,
                 lambda: usage_event(p.request_id, model, caller, p.arrived, relay, prompt_tokens=prompt_tokens),
             )
-        relay.task.add_done_callback(lambda _: self._relay_done(relay, admitted, p))
+        relay.task.add_done_callback(lambda _: self._relay_done(relay, admitted, p, (relay_span, span)))
         self._maybe_shadow(p, route)
         return relay
 
-    def _relay_done(self, relay: Relay, admitted: Admitted | None, p: Prepared) -> None:
+    def _relay_done(self, relay: Relay, admitted: Admitted | None, p: Prepared, spans: tuple[trace.Span, ...]) -> None:
         if relay.cancel_reason:
             self.metrics.cancels.labels(relay.cancel_reason).inc()
+        _end_relay_spans(relay, spans)
         if admitted is not None:
-            self._spawn(self.admission.leave(admitted, relay.usage, p.choices))
+            self._spawn(self.admission.finish(admitted, relay.usage, p.choices))
             if self.usage is not None:
                 self.usage.finished(
                     usage_event(p.request_id, p.resolution.model.name, admitted.caller, p.arrived, relay)
@@ -279,95 +244,35 @@ class Gateway:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    # --- reading, resuming, cancelling ------------------------------------------------------------------------
-
-    def sse(self, request_id: str, after: int, headers: dict[str, str] | None = None) -> SSEResponse:
-        relay = self.relays.get(request_id)
-        behind = None
-        if relay is not None:
-            relay.reader_joined()
-            limit = self.settings.max_lag_events
-            behind = lambda event_id: relay.last_id - event_id > limit  # noqa: E731
-
-        def on_end(how: str) -> None:
-            self.metrics.stream_endings.labels(how).inc()
-            if relay is not None:
-                relay.reader_left(disconnected=how == "disconnect")
-
-        return SSEResponse(
-            self.buffer.follow(request_id, after),
-            {**(headers or {}), "x-request-id": request_id},
-            self.settings.ping_interval_s,
-            self.settings.send_timeout_s,
-            on_end,
-            behind,
-        )
-
-    async def complete(self, relay: Relay, kind: str) -> dict:
-        """A non-streamed request: wait for the whole generation (cancelled if the client leaves), then answer."""
-        try:
-            await asyncio.shield(relay.finished.wait())
-        except asyncio.CancelledError:
-            relay.cancel("disconnect")
-            raise
-        fmt: CollectFormat = relay.format
-        if fmt.failure is not None:
-            raise fmt.failure
-        response = aggregate(fmt.chunks, kind)
-        response["id"] = relay.request_id
-        return response
-
-    def resume_token(self, request_id: str, owner: str) -> str:
-        return hmac.new(self.resume_secret, f"{request_id}/{owner}".encode(), hashlib.sha256).hexdigest()
-
-    async def resumable(self, request_id: str, request: Request) -> None:
-        """Only the tenant that made a request may resume it (by its API key, or by the stream's resume token);
-        anyone else learns nothing, not even that the stream exists."""
-        token = request.query_params.get("resume_token")
-        tenant = None if token is not None else (await self.auth.caller(request)).tenant
-        owner = await self.buffer.owner(request_id)
-        if owner is not None and token is not None:
-            # compare_digest refuses non-ASCII text with a TypeError; no token of ours has any
-            allowed = token.isascii() and hmac.compare_digest(token, self.resume_token(request_id, owner))
-        else:
-            allowed = owner is not None and owner == tenant
-        if not allowed:
-            raise not_found(
-                f"no stream {request_id!r} to resume (streams are kept for a few minutes)", param="request_id"
-            )
-
-    def cancel(self, request_id: str, caller: Caller) -> bool:
-        relay = self.relays.get(request_id)
-        if relay is None or relay.owner != caller.tenant:
-            raise not_found(
-                f"no request {request_id!r} (finished requests are kept for a few minutes)", param="request_id"
-            )
-        return relay.cancel("api")
-
     def render_metrics(self) -> bytes:
         return self.metrics.render() + (self.extra_metrics() if self.extra_metrics else b"")
 
 
-def _max_tokens(kind: str, req: Body) -> int | None:
-    return req.requested_max_tokens() if kind == "chat" else req.max_tokens
+def _end_span(span: trace.Span, error: BaseException | None = None) -> None:
+    if isinstance(error, APIError):
+        span.set_attribute("http.response.status_code", error.status)
+    if error is not None and not isinstance(error, asyncio.CancelledError):
+        span.set_status(trace.StatusCode.ERROR, str(error)[:200])
+    span.end()
 
 
-def _has_attachments(body: dict) -> bool:
-    return any(
-        isinstance(m, dict)
-        and isinstance(m.get("content"), list)
-        and any(isinstance(part, dict) and part.get("type") != "text" for part in m["content"])
-        for m in body.get("messages") or []
-    )
+def _end_relay_spans(relay: Relay, spans: tuple[trace.Span, ...]) -> None:
+    for span in spans:
+        span.set_attribute("tokenfleet.status", relay.status)
+        if relay.usage is not None:
+            span.set_attribute("gen_ai.usage.input_tokens", relay.usage.prompt_tokens)
+            span.set_attribute("gen_ai.usage.output_tokens", relay.usage.completion_tokens)
+        if relay.failure:
+            span.set_status(trace.StatusCode.ERROR, relay.failure[:200])
+        span.end()
 
 
-def _apply_plan(body: dict, kind: str, req: Body, plan: Plan, priority: int) -> dict:
+def _apply_plan(body: dict, requested: int | None, plan: Plan, priority: int) -> dict:
     """The body the replica gets: the tier's priority class (never the client's own), and under overload a
     smaller max_tokens for free users."""
     body = {**body, "priority": priority}
     cap = plan.max_tokens_cap
     if cap is not None:
-        requested = _max_tokens(kind, req)
         body.pop("max_completion_tokens", None)
         body["max_tokens"] = cap if requested is None else min(requested, cap)
     return body

@@ -13,6 +13,31 @@ if TYPE_CHECKING:
     from tokenfleet.gateway.admission import Admission
 
 
+# the dispatcher's figures per model and tier: (family, name, help, value of a tier's snapshot)
+PER_TIER = (
+    (
+        gauge_family,
+        "tokenfleet_dispatch_queued_requests",
+        "Requests waiting for room, by model and tier.",
+        lambda s: s.queued,
+    ),
+    (
+        gauge_family,
+        "tokenfleet_dispatch_queued_tokens",
+        "Tokens waiting for room, by model and tier.",
+        lambda s: s.queued_tokens,
+    ),
+    (gauge_family, "tokenfleet_dispatch_tier_paused", "1 when the ladder paused the tier.", lambda s: int(s.paused)),
+    (
+        counter_family,
+        "tokenfleet_dispatch_wait_seconds",
+        "Time dispatched requests waited for room.",
+        lambda s: s.wait_s_total,
+    ),
+    (counter_family, "tokenfleet_dispatch_tokens", "Tokens dispatched to replicas.", lambda s: s.dispatched_tokens),
+)
+
+
 class GatewayMetrics:
     def __init__(self, active_streams, admission: Admission) -> None:
         self.registry = CollectorRegistry()
@@ -79,37 +104,8 @@ class AdmissionCollector:
             ["model", "state"],
         )
         tiers = [(m, t, ts) for m, s in snapshots.items() for t, ts in s.tiers.items()]
-        labels = ["model", "tier"]
-        yield gauge_family(
-            "tokenfleet_dispatch_queued_requests",
-            "Requests waiting for room, by model and tier.",
-            {(m, t): s.queued for m, t, s in tiers},
-            labels,
-        )
-        yield gauge_family(
-            "tokenfleet_dispatch_queued_tokens",
-            "Tokens waiting for room, by model and tier.",
-            {(m, t): s.queued_tokens for m, t, s in tiers},
-            labels,
-        )
-        yield gauge_family(
-            "tokenfleet_dispatch_tier_paused",
-            "1 when the ladder paused the tier.",
-            {(m, t): int(s.paused) for m, t, s in tiers},
-            labels,
-        )
-        yield counter_family(
-            "tokenfleet_dispatch_wait_seconds",
-            "Time dispatched requests waited for room.",
-            {(m, t): s.wait_s_total for m, t, s in tiers},
-            labels,
-        )
-        yield counter_family(
-            "tokenfleet_dispatch_tokens",
-            "Tokens dispatched to replicas.",
-            {(m, t): s.dispatched_tokens for m, t, s in tiers},
-            labels,
-        )
+        for family, name, help_text, value in PER_TIER:
+            yield family(name, help_text, {(m, t): value(s) for m, t, s in tiers}, ["model", "tier"])
         yield counter_family(
             "tokenfleet_quota_refusals",
             "Requests refused by a quota, by tier and dimension.",

@@ -5,7 +5,6 @@ client never blocks generation, and a reconnecting client resumes where it left 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -13,6 +12,8 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from tokenfleet.api.errors import APIError
+from tokenfleet.api.usage import Usage
+from tokenfleet.gateway.chunks import Chunk, Piece
 from tokenfleet.gateway.formats import Event, EventFormat
 from tokenfleet.gateway.resume import ResumeBuffer, StreamEvent
 from tokenfleet.metering.outage import raise_if_cancelled
@@ -29,7 +30,7 @@ class Relay:
     owner: str = ""  # the tenant (organisation) the request belongs to
     rate_limit_headers: Mapping[str, str] | None = None  # x-ratelimit-* from the quota decision
     route: object = None  # the router's decision (router.pool.Route), for logs and usage records
-    usage: dict | None = None
+    usage: Usage | None = None  # the replica's last count: final, or so far if it got cancelled
     last_id: int = 0
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     readers: int = 0
@@ -41,11 +42,11 @@ class Relay:
     _running: bool = False  # whether the task has begun (a task cancelled before that never runs its clean-up)
     _usage_json: str | None = None  # self.usage as stored beside each event, for metering after a crash
 
-    async def start(self, chunks: AsyncIterator[dict]) -> None:
+    async def start(self, chunks: AsyncIterator[Piece]) -> None:
         await self.buffer.open(self.request_id, self.owner, self.format.kind)
         self.task = asyncio.create_task(self._run(chunks), name=f"relay-{self.request_id}")
 
-    async def _run(self, chunks: AsyncIterator[dict]) -> None:
+    async def _run(self, chunks: AsyncIterator[Piece]) -> None:
         self._running = True
         try:
             async with aclosing(chunks):  # however the relay stops, the replica's stream is closed now
@@ -66,16 +67,15 @@ class Relay:
         finally:
             await self._finish()
 
-    async def _relay(self, chunk: dict) -> None:
-        if "retrying" in chunk:  # the replica died; the response goes on from another one
-            await self._emit_all(self.format.retrying(chunk["retrying"]))
+    async def _relay(self, chunk: Piece) -> None:
+        if not isinstance(chunk, Chunk):  # the replica died; the response goes on from another one
+            await self._emit_all(self.format.retrying(chunk))
             return
-        if self.first_token_at is None and chunk.get("choices"):
+        if self.first_token_at is None and chunk.choices:
             self.first_token_at = time.monotonic()
-        if chunk.get("usage"):  # the final count, or the count so far if it gets cancelled
-            self.usage = chunk["usage"]
-            self._usage_json = json.dumps(self.usage, separators=(",", ":"))
-            chunk["usage"] = {k: v for k, v in self.usage.items() if k != "engine_s"}  # metering's only
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+            self._usage_json = chunk.usage.to_json()
         await self._emit_all(self.format.chunk(chunk))
 
     def _stop_if_cancelled(self) -> None:

@@ -5,7 +5,6 @@ expiring Redis Stream per request in a fleet (so any gateway can resume any stre
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -17,6 +16,7 @@ from typing import Protocol
 from redis.exceptions import RedisError
 
 from tokenfleet.api.errors import APIError
+from tokenfleet.api.usage import Usage
 from tokenfleet.gateway.formats import ending_with_error
 from tokenfleet.metering.outage import raise_if_cancelled
 
@@ -346,12 +346,12 @@ class RedisResumeBuffer:
             replies = await pipe.execute()
         return bool(replies[0]), not gateway_id or bool(replies[1])
 
-    async def last_usage(self, request_id: str) -> dict | None:
+    async def last_usage(self, request_id: str) -> Usage | None:
         """The replica's last usage report in the stream (what had been generated when it stopped), or None."""
         for _, fields in await self.redis.xrevrange(self._key(request_id), count=32):
             usage = fields.get(b"usage", fields.get("usage"))
             if usage is not None:
-                return json.loads(usage)
+                return Usage.from_json(usage)
         return None
 
     async def keep_alive(self) -> None:

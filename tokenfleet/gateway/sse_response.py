@@ -29,12 +29,15 @@ class SSEResponse(Response):
         send_timeout_s: float,
         on_end: Callable[[str], None],
         behind: Callable[[int], bool] | None = None,
+        event_ids: bool = True,
     ) -> None:
-        """behind(event_id): whether a reader now at this event is too far behind the stream (it is cut off)."""
+        """behind(event_id): whether a reader now at this event is too far behind the stream (it is cut off);
+        event_ids: whether each event is written with its id and name, or as OpenAI's bare `data:` lines."""
         self.status_code, self.background = 200, None
         self.init_headers({**SSE_HEADERS, **headers})  # no body attribute: no content-length, it streams
         self.source, self.ping_interval_s, self.send_timeout_s = source, ping_interval_s, send_timeout_s
         self.on_end, self.behind = on_end, behind  # on_end: "complete", "disconnect", "slow" or "error"
+        self.event_ids = event_ids
         self._client_left = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -78,7 +81,7 @@ class SSEResponse(Response):
             if events:
                 if self.behind is not None and self.behind(events[0].id):
                     return "slow"
-                await self._send(send, _render(events))
+                await self._send(send, _render(events) if self.event_ids else _render_data(events))
             elif loop.time() < ping_at:
                 continue
             else:
@@ -88,6 +91,10 @@ class SSEResponse(Response):
     async def _send(self, send: Send, text: str) -> None:
         async with asyncio.timeout(self.send_timeout_s):
             await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
+
+
+def _render_data(events: list[StreamEvent]) -> str:
+    return "".join(sse_event(e.data) for e in events)
 
 
 def _render(events: list[StreamEvent]) -> str:

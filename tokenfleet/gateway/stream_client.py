@@ -10,7 +10,7 @@ import asyncio
 import socket
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from urllib.parse import urlsplit
 
 import httptools
@@ -188,12 +188,12 @@ class _Exchange:
     """`async with client.post(...) as response`: the connection goes back to the pool only when the response was
     read to its end; otherwise it is closed, which is how a replica learns that its reader left."""
 
-    def __init__(self, client: StreamClient, path: str, body: bytes) -> None:
-        self._client, self._path, self._body = client, path, body
+    def __init__(self, client: StreamClient, path: str, body: bytes, headers: Mapping[str, str]) -> None:
+        self._client, self._path, self._body, self._headers = client, path, body, headers
         self._connection: _Connection | None = None
 
     async def __aenter__(self) -> StreamResponse:
-        self._connection = await self._client._exchange(self._path, self._body)
+        self._connection = await self._client._exchange(self._path, self._body, self._headers)
         return StreamResponse(self._connection, self._client.read_timeout_s)
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
@@ -225,20 +225,24 @@ class StreamClient:
         )
         self._idle: deque[_Connection] = deque()
 
-    def post(self, path: str, body: bytes) -> _Exchange:
-        return _Exchange(self, path, body)
+    def post(self, path: str, body: bytes, headers: Mapping[str, str] | None = None) -> _Exchange:
+        """headers: a few more request headers; their names and values must be plain ASCII without line breaks."""
+        return _Exchange(self, path, body, headers or {})
 
     async def aclose(self) -> None:
         while self._idle:
             self._idle.pop().close()
 
-    def _request_head(self, path: str, body: bytes) -> bytes:
-        return f"POST {self.prefix}{path} HTTP/1.1\r\n{self._head}Content-Length: {len(body)}\r\n\r\n".encode("latin-1")
+    def _request_head(self, path: str, body: bytes, headers: Mapping[str, str]) -> bytes:
+        extra = "".join(f"{name}: {value}\r\n" for name, value in headers.items() if _safe(name) and _safe(value))
+        return (f"POST {self.prefix}{path} HTTP/1.1\r\n{self._head}{extra}Content-Length: {len(body)}\r\n\r\n").encode(
+            "latin-1"
+        )
 
-    async def _exchange(self, path: str, body: bytes) -> _Connection:
+    async def _exchange(self, path: str, body: bytes, headers: Mapping[str, str]) -> _Connection:
         """Sends the request and waits for the response's headers. A reused connection that turns out to have been
         closed by the server before it answered anything is retried once on a new connection."""
-        head = self._request_head(path, body)
+        head = self._request_head(path, body, headers)
         connection = self._reusable()
         if connection is not None:
             try:
@@ -299,3 +303,8 @@ class StreamClient:
         connection.reset()
         connection.idle_since = now
         self._idle.append(connection)
+
+
+def _safe(text: str) -> bool:
+    """Whether text can go into a request head as it is (no header injection, nothing latin-1 cannot encode)."""
+    return text.isascii() and text.isprintable()

@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from tokenfleet import tracing
 from tokenfleet.api.errors import APIError
 from tokenfleet.gateway.stream_client import StreamClient, UpstreamError
+from tokenfleet.logs import REQUEST_ID
 from tokenfleet.router.load import LoadReport, fetch_load
 
 if TYPE_CHECKING:
@@ -79,7 +81,7 @@ class HttpUpstream:
             ) from e
 
     async def _stream(self, kind: str, payload: dict) -> AsyncIterator[dict]:
-        async with self.streams.post(PATHS[kind], json.dumps(payload).encode()) as response:
+        async with self.streams.post(PATHS[kind], json.dumps(payload).encode(), _request_headers()) as response:
             if response.status != 200:
                 raise _replica_error(response.status, await response.read())
             async for data in sse_data(response.pieces()):
@@ -87,7 +89,7 @@ class HttpUpstream:
                     yield json.loads(data)
 
     async def _stream_httpx(self, kind: str, payload: dict) -> AsyncIterator[dict]:
-        async with self.client.stream("POST", PATHS[kind], json=payload) as response:
+        async with self.client.stream("POST", PATHS[kind], json=payload, headers=_request_headers()) as response:
             if response.status_code != 200:
                 raise _replica_error(response.status_code, await response.aread())
             async for line in response.aiter_lines():
@@ -101,6 +103,14 @@ class HttpUpstream:
         await self.client.aclose()
         if self.streams is not None:
             await self.streams.aclose()
+
+
+def _request_headers() -> dict[str, str]:
+    """The request's id for the replica, so that its log lines and engine requests carry the gateway's id."""
+    request_id = REQUEST_ID.get()
+    headers = {"x-request-id": request_id} if request_id else {}
+    tracing.inject(headers)  # and the trace the replica's spans continue (traceparent), when one is recorded
+    return headers
 
 
 async def sse_data(pieces: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

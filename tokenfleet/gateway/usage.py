@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Protocol
 
+from tokenfleet.api.usage import Usage
 from tokenfleet.gateway.auth import Caller
 from tokenfleet.gateway.relay import Relay
 from tokenfleet.metering.event import UsageEvent
@@ -27,8 +28,8 @@ def usage_event(
     """`arrived` is the request's time.monotonic() at the gateway; `status` overrides the relay's (a request
     that never reached a relay: refused by the safety hook, or its client left while it queued). `prompt_tokens`:
     the gateway's own count, for a request the replica has not reported on yet."""
-    now, usage = time.monotonic(), (relay.usage if relay else None) or {}
-    input_tokens = max(prompt_tokens, usage.get("prompt_tokens", 0))
+    now, usage = time.monotonic(), (relay.usage if relay else None) or Usage()
+    input_tokens = max(prompt_tokens, usage.prompt_tokens)
     route, principal = relay.route if relay else None, caller.principal
     first = relay.first_token_at if relay else None
     ended_at = utcnow()
@@ -42,20 +43,20 @@ def usage_event(
         pool=getattr(route, "pool", ""),
         tier=principal.tier,
         input_tokens=input_tokens,  # a continuation after failover can hit the cache past the original prompt:
-        cached_tokens=min(input_tokens, (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)),
-        output_tokens=usage.get("completion_tokens", 0),
+        cached_tokens=min(input_tokens, usage.cached_tokens),
+        output_tokens=usage.completion_tokens,
         ttft_s=None if first is None else first - arrived,
         latency_s=now - arrived,
         status=status or (relay.status if relay else "failed"),
         route=route.describe()[:500] if route is not None and route.replica else "",
         started_at=ended_at - timedelta(seconds=now - arrived),
         ended_at=ended_at,
-        engine_s=float(usage.get("engine_s", 0.0)),
+        engine_s=usage.engine_s,
     )
 
 
 class UsageSource(Protocol):
-    async def last_usage(self, request_id: str) -> dict | None: ...
+    async def last_usage(self, request_id: str) -> Usage | None: ...
 
 
 def reconciler(source: UsageSource) -> Callable[[UsageEvent], Awaitable[UsageEvent]]:
@@ -68,16 +69,15 @@ def reconciler(source: UsageSource) -> Callable[[UsageEvent], Awaitable[UsageEve
     return reconcile
 
 
-def with_usage(event: UsageEvent, usage: dict | None) -> UsageEvent:
+def with_usage(event: UsageEvent, usage: Usage | None) -> UsageEvent:
     """The event with the counts of a replica's usage report where they are higher."""
-    if not usage:
+    if usage is None:
         return event
-    input_tokens = max(event.input_tokens, usage.get("prompt_tokens", 0))
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    input_tokens = max(event.input_tokens, usage.prompt_tokens)
     return dataclasses.replace(
         event,
         input_tokens=input_tokens,
-        cached_tokens=min(input_tokens, max(event.cached_tokens, cached)),
-        output_tokens=max(event.output_tokens, usage.get("completion_tokens", 0)),
-        engine_s=max(event.engine_s, float(usage.get("engine_s", 0.0))),
+        cached_tokens=min(input_tokens, max(event.cached_tokens, usage.cached_tokens)),
+        output_tokens=max(event.output_tokens, usage.completion_tokens),
+        engine_s=max(event.engine_s, usage.engine_s),
     )

@@ -9,7 +9,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from tokenfleet.api.render import Usage
+from opentelemetry.context import Context
+
+from tokenfleet.api.usage import Usage
 from tokenfleet.engine.async_engine import AsyncEngine
 from tokenfleet.engine.engine import RequestOutput
 from tokenfleet.engine.request import SamplingParams
@@ -32,6 +34,7 @@ class ChoiceStream:
     gaps: list[float] = field(default_factory=list)  # seconds between successive tokens of each choice
     _last_token_at: dict[int, float] = field(default_factory=dict)
     _engine_s: dict[int, float] = field(default_factory=dict)  # per choice, as last reported
+    trace_parent: Context | None = None  # the trace its spans continue (the gateway's routing attempt)
 
     def __post_init__(self) -> None:
         self.usage.prompt_tokens = sum(len(p) for p in self.prompts)

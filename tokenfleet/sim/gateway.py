@@ -1,20 +1,23 @@
-"""The gateway's admission in simulated time, with the real pieces: the overload ladder (shed before any GPU time),
-the token quota (MemoryQuota on the simulated clock), and the dispatcher's fair queue (Dispatcher.submit).
-The order and the arithmetic follow tokenfleet/gateway/admission.py."""
+"""The gateway's admission in simulated time: the gateway's own admission core (dispatch/admission.py: the overload
+ladder, the token quota on the simulated clock, the fair queue's tickets and load updates), with the wait for a
+slot as a callback (Dispatcher.submit) instead of an asyncio future."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tokenfleet.dispatch.overload import LoadSignal, OverloadLadder
+from tokenfleet.dispatch.admission import AdmissionCore, OverQuota, Shed
+from tokenfleet.dispatch.overload import OverloadLadder
 from tokenfleet.dispatch.queue import Dispatcher, Submission
-from tokenfleet.dispatch.tickets import Slot, Ticket
+from tokenfleet.dispatch.tickets import Slot
 from tokenfleet.dispatch.tiers import TierConfig
 from tokenfleet.quota.base import Scope, scopes_for
 from tokenfleet.quota.memory import MemoryQuota
 from tokenfleet.sim.events import SimClock
 from tokenfleet.sim.request import SimRequest
+
+POOL = "sim"  # the simulated fleet serves one model from one pool
 
 
 def run_now(coroutine):
@@ -55,27 +58,40 @@ class SimGateway:
         dispatcher: Dispatcher,
         quota: MemoryQuota | None,
     ) -> None:
-        self.tiers, self.clock, self.ladder, self.dispatcher, self.quota = tiers, clock, ladder, dispatcher, quota
+        self.tiers, self.clock, self.ladder, self.dispatcher = tiers, clock, ladder, dispatcher
+        self.core = AdmissionCore(quota, {POOL: dispatcher}, ladder)
         self._scopes: dict[tuple[str, str, str], tuple[Scope, Scope]] = {}
         self._waiting: dict[SimRequest, tuple[Submission, _Grant]] = {}
-        self.batch_pace: float | None = None  # the autoscaler's batch gate (gateway/admission.py: Admission.batch_pace)
+
+    @property
+    def batch_pace(self) -> float | None:
+        """The autoscaler's batch gate: the batch tiers' tokens/s, or None when it does not gate them."""
+        return self.core.batch_pace.get(POOL)
+
+    @batch_pace.setter
+    def batch_pace(self, pace: float | None) -> None:
+        if pace is None:
+            self.core.batch_pace.pop(POOL, None)
+        else:
+            self.core.batch_pace[POOL] = pace
 
     def admit(self, sreq: SimRequest, on_slot: Callable[[SimRequest], None]) -> str | None:
         """Ladder, quota, fair queue. Returns why it was refused ("shed", "quota"), or None: `on_slot(sreq)` runs
         when it has its slot (maybe before this returns)."""
-        plan = self.ladder.plan(sreq.tier)
-        if plan.action == "shed":
+        try:
+            plan = self.core.plan(sreq.tier)
+        except Shed:
             return "shed"
         if plan.max_tokens_cap is not None:
             sreq.max_tokens = min(sreq.max_tokens, plan.max_tokens_cap)
-        tokens = len(sreq.prompt) + sreq.max_tokens
-        if self.quota is not None:
-            decision = run_now(self.quota.reserve(sreq.rid, self._scopes_of(sreq), tokens, tier=sreq.tier))
-            if not decision.allowed:
-                return "quota"
-            sreq.reservation = decision.reservation
+        tokens = self.core.expected_tokens(sreq.tenant, 0, len(sreq.prompt), 1, sreq.max_tokens)
+        try:
+            reserved = run_now(self.core.reserve(sreq.rid, sreq.tenant, sreq.tier, self._scopes_of(sreq), tokens))
+        except OverQuota:
+            return "quota"
+        sreq.reservation = reserved.reservation
         grant = _Grant(lambda slot: self._granted(sreq, slot, on_slot))
-        handle = self.dispatcher.submit(Ticket(sreq.rid, sreq.tenant, sreq.tier, tokens), grant)
+        handle = self.dispatcher.submit(reserved.ticket, grant)
         if grant.slot is None:
             self._waiting[sreq] = (handle, grant)
         return None
@@ -103,29 +119,14 @@ class SimGateway:
     def leave(self, sreq: SimRequest) -> None:
         """The request ended however it ended: free the slot, reconcile the reservation with what it used."""
         used = len(sreq.prompt) + sreq.tokens_out if sreq.req is not None else 0
-        if sreq.slot is not None:
-            self.dispatcher.release(sreq.slot, used)
-        if self.quota is not None and sreq.reservation is not None:
-            run_now(self.quota.reconcile(sreq.reservation, used))
+        run_now(self.core.leave(POOL, sreq.slot, sreq.reservation, used))
 
     def update_load(
         self, replicas: int, slots_per_replica: int, replica_queued_tokens: int, prefill_tokens_per_s: float
     ) -> int:
         """What watch_load does every interval: size the pool, project TTFT, move the ladder, pause batch from
         level 1 and pace it to the autoscaler's batch gate."""
-        self.dispatcher.set_slots(slots_per_replica * replicas)
-        snap = self.dispatcher.snapshot()
-        level = self.ladder.update(
-            LoadSignal(
-                snap.served_queued_tokens,
-                replica_queued_tokens,
-                snap.in_use,
-                snap.slots,
-                prefill_tokens_per_s * replicas,
-            )
-        )
-        self.ladder.apply(self.dispatcher, self.batch_pace)
-        return level
+        return self.core.update_load({POOL: replicas}, slots_per_replica, replica_queued_tokens, prefill_tokens_per_s)
 
     def _scopes_of(self, sreq: SimRequest) -> tuple[Scope, Scope]:
         key = (sreq.tier, sreq.tenant, sreq.user)

@@ -26,7 +26,7 @@ def schema(sync_conn) -> dict:
 
 
 async def test_migrate_reaches_head_and_twice_is_a_no_op(db: Database):
-    assert await current_revision(db.engine) == head_revision() == "0003"
+    assert await current_revision(db.engine) == head_revision() == "0004"
     async with db.engine.connect() as conn:
         before = await conn.run_sync(schema)
     await db.migrate()

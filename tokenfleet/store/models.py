@@ -199,3 +199,21 @@ class MessageRow(Base):
     error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class ResponseRow(Base):
+    """A stored response of the Responses API (`store: true`): what came in as chat messages and what went out,
+    for GET /v1/responses/{id} and for a later request's previous_response_id. Owned like conversations."""
+
+    __tablename__ = "responses"
+    __table_args__ = (Index("ix_responses_owner_created_at", "org_id", "user_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    org_id: Mapped[str] = mapped_column(String(64))
+    user_id: Mapped[str] = mapped_column(String(64))
+    previous_response_id: Mapped[str | None] = mapped_column(String(64))
+    request_id: Mapped[str] = mapped_column(String(128))  # the generation's (x-request-id, usage rows)
+    status: Mapped[str] = mapped_column(String(16))
+    messages: Mapped[str] = mapped_column(Text)  # JSON: this request's input as chat messages
+    body: Mapped[str] = mapped_column(Text)  # JSON: the response object as returned
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

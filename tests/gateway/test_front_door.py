@@ -81,3 +81,20 @@ def test_a_client_that_asks_for_a_resumable_stream_gets_the_event_ids(demo_model
         assert [int(line[4:]) for line in replay.text.splitlines() if line.startswith("id: ")] == ids[2:]
 
     asyncio.run(scenario())
+
+
+def test_openapi_and_docs_show_the_completion_routes_with_their_schemas(demo_model_dir):
+    async def scenario():
+        gateway = inprocess_gateway(demo_model_dir, [RecordingUpstream()])
+        transport = httpx.ASGITransport(app=create_gateway_app(gateway))
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            return await client.get("/openapi.json"), await client.get("/docs")
+
+    spec, docs = asyncio.run(scenario())
+    paths = spec.json()["paths"]
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/generate"):
+        body = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body["$ref"].rsplit("/", 1)[-1] in spec.json()["components"]["schemas"], path
+    chat = spec.json()["components"]["schemas"]["ChatCompletionRequest"]
+    assert {"model", "messages", "max_tokens", "stream"} <= set(chat["properties"])
+    assert docs.status_code == 200 and "swagger" in docs.text.lower()

@@ -124,7 +124,8 @@ def test_over_a_limit_is_a_429_with_openai_headers_and_the_sdk_waits_it_out(plat
         )
         assert refused.status_code == 429, refused.text
         assert refused.json()["error"]["code"] == "rate_limit_exceeded"
-        assert "concurrent" in refused.json()["error"]["message"]
+        message = refused.json()["error"]["message"]
+        assert "concurrent" in message and "user 'bob' of organisation 'hobby-" in message, "names, not bare ids"
         assert float(refused.headers["retry-after"]) >= 1 and int(refused.headers["retry-after-ms"]) > 0
         for name in ("limit-requests", "remaining-requests", "reset-requests", "limit-tokens", "remaining-tokens"):
             assert f"x-ratelimit-{name}" in refused.headers, name

@@ -44,7 +44,7 @@ def gateway_before_its_late_replica(model_dir, tmp_path, health: dict):
             json={"org": "acme", "user": "ann", "tier": "paid"},
             headers={"Authorization": f"Bearer {ADMIN_KEY}"},
         ).json()["key"]
-        wait_for(lambda: health_of(base, urls[1]) == "open", 30)  # the late replica is down: ejected
+        wait_for(lambda: health_of(base, urls[1]) == "ejected", 30)  # the late replica is down: ejected
         yield {"base": base, "key": key, "first": first, "late_port": ports[1], "late_url": urls[1]}
 
 
@@ -75,7 +75,7 @@ def test_a_replica_that_comes_up_late_is_readmitted_by_its_first_passing_check(d
             replica_args(demo_model_dir, fleet["late_port"]), f"{fleet['late_url']}/health", tmp_path / "late.log"
         ):
             healthy_at = time.monotonic()
-            wait_for(lambda: health_of(fleet["base"], fleet["late_url"]) == "closed", 5)
+            wait_for(lambda: health_of(fleet["base"], fleet["late_url"]) == "healthy", 5)
             assert time.monotonic() - healthy_at < 5
             fleet["first"].send_signal(signal.SIGKILL)
             fleet["first"].wait()
@@ -95,4 +95,17 @@ def test_with_no_healthy_replica_left_an_ejected_one_is_tried(demo_model_dir, tm
             fleet["first"].wait()
             for _ in range(4):
                 assert ask_streaming(fleet), "served by the ejected replica rather than failing"
-            assert health_of(fleet["base"], fleet["late_url"]) == "open", "no check has readmitted it"
+            assert health_of(fleet["base"], fleet["late_url"]) == "ejected", "no check has readmitted it"
+
+
+def test_ready_turns_false_when_the_last_replica_dies_while_health_stays_true(demo_model_dir, tmp_path):
+    health = {"check_interval_s": 0.5, "check_timeout_s": 0.5, "base_ejection_s": 60}
+    with gateway_before_its_late_replica(demo_model_dir, tmp_path, health) as fleet:
+        ready = httpx.get(f"{fleet['base']}/ready", timeout=5)
+        assert ready.status_code == 200 and ready.json()["replicas"] == {MODEL: 1}
+        fleet["first"].send_signal(signal.SIGKILL)
+        fleet["first"].wait()
+        wait_for(lambda: httpx.get(f"{fleet['base']}/ready", timeout=5).status_code == 503, 15)
+        not_ready = httpx.get(f"{fleet['base']}/ready", timeout=5).json()
+        assert not_ready["status"] == "not_ready" and not_ready["error"]["code"] == "no_replica"
+        assert httpx.get(f"{fleet['base']}/health", timeout=5).status_code == 200, "the process itself is alive"

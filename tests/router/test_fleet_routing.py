@@ -186,7 +186,7 @@ def wait_all_healthy(fleet) -> None:
 
     def healthy() -> bool:
         replicas = httpx.get(f"{fleet['base']}/admin/v1/replicas", headers=admin).json()["data"][V1]
-        return all(r["health"] == "closed" for r in replicas)
+        return all(r["health"] == "healthy" for r in replicas)
 
     wait_for(healthy, 30)
 

@@ -68,7 +68,7 @@ class Admission(AdmissionCore):
         except QuotaUnavailable as e:
             raise unavailable(f"quotas cannot be checked right now ({e}); please retry") from e
         except OverQuota as refused:
-            raise _refusal(refused.decision, tokens) from None
+            raise _refusal(refused.decision, tokens, caller) from None
         assert reserved.reservation is not None  # a gateway always keeps a quota
         return Admitted(request_id, caller, reserved.reservation, headers=reserved.headers, ticket=reserved.ticket)
 
@@ -121,17 +121,28 @@ async def watch_load(
         await asyncio.sleep(interval_s)
 
 
-def _refusal(decision: Decision, tokens: int) -> APIError:
+def _refusal(decision: Decision, tokens: int, caller: Caller) -> APIError:
+    scope = scope_label(decision.scope or "", caller)
     if decision.reason == "request_too_large":
         return rate_limited(
-            f"Request too large for {decision.scope}: it needs {tokens} tokens, more than the "
+            f"Request too large for {scope}: it needs {tokens} tokens, more than the "
             "limit allows at once. Lower max_tokens or shorten the prompt.",
             decision.headers,
             code="request_too_large",
         )
     retry = decision.retry_after_s or 1.0
     return rate_limited(
-        f"Rate limit reached for {decision.reason.replace('_', ' ')} on {decision.scope}. "
+        f"Rate limit reached for {(decision.reason or 'limit').replace('_', ' ')} on {scope}. "
         f"Please try again in {retry:.2f}s.",
         decision.headers,
     )
+
+
+def scope_label(scope: str, caller: Caller) -> str:
+    """A quota scope as people name it: the organisation's and the user's names, their ids beside them."""
+    p = caller.principal
+    if scope.startswith("user:"):
+        return f"user {p.user_name!r} of organisation {p.org_name!r} ({p.org_id}/{p.user_id})"
+    if scope.startswith("org:"):
+        return f"organisation {p.org_name!r} ({p.org_id})"
+    return scope

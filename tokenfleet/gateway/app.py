@@ -1,6 +1,7 @@
 """The public HTTP API around the Gateway: OpenAI-compatible completions (streamed as SSE with ids and
-heartbeats), the native stream, resume with Last-Event-ID, cancel, /v1/models, /health, /metrics, and the
-operators' replica routes (list, drain) under /admin/v1."""
+heartbeats), the native stream, resume with Last-Event-ID, cancel, /v1/models, /health, /metrics, the
+operators' replica routes (list, drain) and fleet view under /admin/v1, and the pages for people (the chat page at /
+and the operator console at /console, from tokenfleet.web)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenfleet.api.errors import APIError, bad_request, not_found, server_error
 from tokenfleet.api.http import install_error_handler, method_not_allowed, read_json, until_disconnect
-from tokenfleet.gateway.admin import PREFIX, admin_guard
+from tokenfleet.api.protocol import ChatCompletionRequest, CompletionRequest
+from tokenfleet.gateway.admin import PREFIX, add_fleet_view, admin_guard
 from tokenfleet.gateway.formats import CollectFormat
 from tokenfleet.gateway.gateway import Gateway, ModelInfo
 from tokenfleet.gateway.relay import Relay
+from tokenfleet.router.pool import ModelPools
+from tokenfleet.web.pages import mount_pages
 
 __all__ = ["Gateway", "ModelInfo", "create_gateway_app"]
 log = logging.getLogger(__name__)
@@ -47,16 +51,19 @@ async def lifespan(app: FastAPI):
 def create_gateway_app(
     gateway: Gateway, extra_routes: Callable[[FastAPI], None] | None = None, admin_key: str | None = None
 ) -> FastAPI:
-    app = FastAPI(title="tokenfleet gateway", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app = FastAPI(title="tokenfleet gateway", docs_url="/docs", redoc_url=None, lifespan=lifespan)
     app.state.gateway = gateway
     install_error_handler(app)
     app.add_exception_handler(Exception, _unexpected_error)
     app.add_middleware(FrontDoor, gateway=gateway)
     _add_service_routes(app, gateway)
+    _document_completion_routes(app, gateway)
     _add_stream_routes(app, gateway)
     _add_replica_routes(app, gateway, admin_key)
+    add_fleet_view(app, gateway, admin_key)
     if extra_routes is not None:
         extra_routes(app)
+    mount_pages(app)
     return app
 
 
@@ -68,6 +75,23 @@ COMPLETIONS = {
     "/v1/completions": ("text", False),
     "/v1/generate": ("chat", True),
 }
+
+
+def _document_completion_routes(app: FastAPI, gateway: Gateway) -> None:
+    """The completion routes as FastAPI routes too, so that /openapi.json and /docs show them with their request
+    schemas; FrontDoor answers them before FastAPI's routing is reached."""
+
+    @app.post("/v1/chat/completions", tags=["completions"], summary="Create a chat completion")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await completion(gateway, "chat", request)
+
+    @app.post("/v1/completions", tags=["completions"], summary="Create a text completion")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await completion(gateway, "text", request)
+
+    @app.post("/v1/generate", tags=["completions"], summary="A chat completion in the native stream format")
+    async def generate(body: ChatCompletionRequest, request: Request) -> Response:
+        return await completion(gateway, "chat", request, native=True)
 
 
 class FrontDoor:
@@ -124,6 +148,9 @@ async def _unexpected_error(_: Request, error: Exception) -> Response:
     return error_response(server_error(f"the gateway failed: {type(error).__name__}"))
 
 
+RESUMABLE_HEADER = "x-tokenfleet-resumable"  # "true": a stream's events carry their ids, to resume from one
+
+
 async def completion(gateway: Gateway, kind: str, request: Request, native: bool = False) -> Response:
     caller = await gateway.auth.caller(request)
     body = await read_json(request)
@@ -133,8 +160,11 @@ async def completion(gateway: Gateway, kind: str, request: Request, native: bool
     relay = await until_disconnect(request, admit)
     headers = relay_headers(gateway, relay)
     if isinstance(relay.format, CollectFormat):
-        return JSONResponse(await until_disconnect(request, gateway.complete(relay, kind)), headers=headers)
-    return gateway.sse(relay.request_id, 0, headers)
+        return JSONResponse(await until_disconnect(request, gateway.streams.complete(relay, kind)), headers=headers)
+    # OpenAI's streams carry no `id:` lines, and clients such as vLLM's benchmark cannot parse them: the ids
+    # (for a resume with Last-Event-ID) only when the client asks, and always on our native format
+    event_ids = native or request.headers.get(RESUMABLE_HEADER, "").strip().lower() in ("1", "true", "yes")
+    return gateway.streams.sse(relay.request_id, 0, headers, event_ids=event_ids)
 
 
 def _add_service_routes(app: FastAPI, gateway: Gateway) -> None:
@@ -144,7 +174,18 @@ def _add_service_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.get("/health")
     async def health() -> dict:
+        """The process is alive (a liveness probe); whether it can serve is /ready."""
         return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """Whether the gateway can serve: per model, its replicas that take requests (not draining, not ejected);
+        503 when no model has one."""
+        serving = {name: _serving_replicas(pools) for name, pools in gateway.router.models.items()}
+        if any(serving.values()):
+            return JSONResponse({"status": "ready", "replicas": serving})
+        error = APIError(503, "no replica is taking requests", "service_unavailable", code="no_replica")
+        return JSONResponse({"status": "not_ready", "replicas": serving, **error.body()}, status_code=503)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
@@ -157,12 +198,24 @@ def _add_service_routes(app: FastAPI, gateway: Gateway) -> None:
         return {"object": "list", "data": listing}
 
 
+def _serving_replicas(pools: ModelPools) -> int:
+    """Replicas taking requests and answering them: not draining, not ejected, their last check or request fine
+    (the ejection cap can keep a failing replica's breaker closed when it is the last one)."""
+    health = pools.health.snapshot()
+    return sum(
+        not r.draining
+        and health.get(r.name, {}).get("state", "closed") != "open"
+        and health.get(r.name, {}).get("consecutive_failures", 0) == 0
+        for r in pools.replicas.values()
+    )
+
+
 def relay_headers(gateway: Gateway, relay: Relay) -> dict[str, str]:
     """x-request-id, the rate-limit headers of the reservation, and the token that lets a browser's EventSource
     (which cannot send an Authorization header) resume this one stream."""
     headers = {
         "x-request-id": relay.request_id,
-        "x-resume-token": gateway.resume_token(relay.request_id, relay.owner),
+        "x-resume-token": gateway.streams.resume_token(relay.request_id, relay.owner),
         "x-tokenfleet-model": relay.route.model,
     }
     deprecated = gateway.router.catalog.models[relay.route.model].deprecated_on
@@ -181,14 +234,16 @@ def _add_stream_routes(app: FastAPI, gateway: Gateway) -> None:
             raise bad_request(
                 "Last-Event-ID must be the integer id of an event (ASCII digits, at most 18)", param="Last-Event-ID"
             )
-        await gateway.resumable(request_id, request)
+        token = request.query_params.get("resume_token")
+        tenant = None if token is not None else (await gateway.auth.caller(request)).tenant
+        await gateway.streams.check_resumable(request_id, token, tenant)
         gateway.metrics.resumes.inc()
-        return gateway.sse(request_id, int(last))
+        return gateway.streams.sse(request_id, int(last))
 
     @app.post("/v1/requests/{request_id}/cancel")
     async def cancel(request_id: str, request: Request) -> dict:
         caller = await gateway.auth.caller(request)
-        return {"id": request_id, "object": "request.cancel", "cancelled": gateway.cancel(request_id, caller)}
+        return {"id": request_id, "object": "request.cancel", "cancelled": gateway.streams.cancel(request_id, caller)}
 
 
 def _add_replica_routes(app: FastAPI, gateway: Gateway, admin_key: str | None) -> None:

@@ -32,6 +32,13 @@ TRACER = tracing.tracer("gateway")
 # what an upstream's failure was caused by: httpx's exceptions, or the stream client's (http:// replicas)
 TIMEOUTS = (httpx.TimeoutException, UpstreamTimeout)
 TRANSPORT_ERRORS = (httpx.TransportError, UpstreamError)
+# how a replica failed (_failure_kind), as the log says it
+FAILURE_WORDS = {
+    "connect": "refused the connection (nothing was sent)",
+    "5xx": "answered with a server error before streaming",
+    "timeout": "timed out",
+    "stream_broken": "broke off mid-response",
+}
 # how the next token is chosen (OpenAI's fields and vLLM's); min_tokens is a budget, counted apart
 SAMPLING_FIELDS = (
     "temperature",
@@ -87,8 +94,9 @@ async def routed_chunks(request: RoutedRequest) -> AsyncIterator[Piece]:
                 raise failed.error from None
             exclude.append(replica.name)
             log.warning(
-                "replica %s failed mid-response for %s (%s); continuing on another replica",
+                "replica %s %s for %s (%s); continuing on another replica",
                 replica.name,
+                FAILURE_WORDS.get(failed.reason, f"failed ({failed.reason})"),
                 request.route.model,
                 failed.error.message,
             )

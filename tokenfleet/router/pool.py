@@ -12,7 +12,8 @@ from typing import Any
 from tokenfleet.router.catalog import ModelSpec
 from tokenfleet.router.health import HealthTracker
 from tokenfleet.router.load import LoadReport, Upstream
-from tokenfleet.router.policy import Choice, NoReplicaAvailable, ReplicaState, RoutingPolicy
+from tokenfleet.router.policies import Choice, NoReplicaAvailable, RoutingPolicy
+from tokenfleet.router.replica_state import ReplicaState, ReportMark
 
 log = logging.getLogger(__name__)
 
@@ -87,16 +88,11 @@ class ModelPools:
         log.info("replica %s %s", name, "draining: no new requests" if draining else "back in rotation")
         return True
 
-    def update_load(self, name: str, report: LoadReport) -> None:
+    def update_load(self, name: str, report: LoadReport, mark: ReportMark | None = None) -> None:
+        """`mark`: the replica's ReplicaState.mark() from when the report was asked for (None: now)."""
         replica = self.replicas.get(name)
         if replica is not None:
-            s = replica.state
-            s.running, s.waiting, s.queued_tokens, s.kv_usage = (
-                report.running,
-                report.waiting,
-                report.queued_tokens,
-                report.kv_usage,
-            )
+            replica.state.reported(report.running, report.waiting, report.queued_tokens, report.kv_usage, mark)
 
     def can_serve(self) -> bool:
         """Whether a request can be sent anywhere: a replica that is not draining (healthy, or ejected ones when
@@ -146,10 +142,10 @@ class ModelPools:
         return max(self._pools_nearest_first(usable), key=room)
 
     def started(self, replica: Replica) -> None:
-        replica.state.in_flight += 1
+        replica.state.begin()
 
     def finished(self, replica: Replica, failure: str | None = None, ttft_s: float | None = None) -> None:
-        replica.state.in_flight -= 1
+        replica.state.end()
         if failure is None:
             self.health.record_success(replica.name, ttft_s)
         elif failure == "cancelled":
@@ -168,7 +164,16 @@ class ModelPools:
                 "draining": r.draining,
                 "in_flight": r.state.in_flight,
                 "load": round(r.state.load(), 3),
-                "health": health.get(r.name, {}).get("state"),
+                "health": health_word(health.get(r.name, {}).get("state"), r.draining),
+                "breaker": health.get(r.name, {}).get("state") or "closed",
             }
             for r in self.replicas.values()
         ]
+
+
+def health_word(breaker: str | None, draining: bool) -> str:
+    """A replica's health as operators read it: healthy, ejected (its breaker is open), half-open (on probation)
+    or draining (no new requests)."""
+    if draining:
+        return "draining"
+    return {"open": "ejected", "half_open": "half-open"}.get(breaker or "closed", "healthy")

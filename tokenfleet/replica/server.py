@@ -10,17 +10,23 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import trace
 
+from tokenfleet import tracing
 from tokenfleet.api.errors import bad_request, not_found
 from tokenfleet.api.http import install_error_handler, read_json, until_disconnect
 from tokenfleet.api.protocol import ChatCompletionRequest, CompletionRequest, parse, prompt_token_ids_off_loop
 from tokenfleet.api.render import Renderer
 from tokenfleet.api.sse import SSE_HEADERS, sse_event
+from tokenfleet.api.unsupported import reject_unsupported
 from tokenfleet.engine.async_engine import AsyncEngine
+from tokenfleet.engine.structured import GrammarError
+from tokenfleet.logs import REQUEST_ID, valid_request_id
 from tokenfleet.replica.choices import ChoiceStream
 from tokenfleet.replica.metrics import ReplicaMetrics
 
 log = logging.getLogger(__name__)
+TRACER = tracing.tracer("replica")
 
 
 class ReplicaService:
@@ -34,6 +40,7 @@ class ReplicaService:
         self, kind: str, body: object
     ) -> tuple[ChatCompletionRequest | CompletionRequest, ChoiceStream, Renderer]:
         """Validates a chat ("chat") or text ("text") completion body and starts its engine requests."""
+        reject_unsupported(kind, body)
         if kind == "chat":
             req = parse(ChatCompletionRequest, body)
             self.check_model(req.model)
@@ -64,10 +71,23 @@ class ReplicaService:
         for prompt in prompts:
             try:
                 self.engine.validate(prompt, params)
+            except GrammarError as e:
+                raise req.structured_output_error(e) from e
             except ValueError as e:
                 raise bad_request(str(e), param="messages" if kind == "chat" else "prompt") from e
-        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        # the gateway's id when it sent one (x-request-id): one id for the request from the gateway to the engine
+        request_id = REQUEST_ID.get() or f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        REQUEST_ID.set(request_id)
         stream = ChoiceStream(self.engine, request_id, prompts, params, req.n, req.priority)
+        stream.trace_parent = tracing.parent()
+        log.info(
+            "request started: %d prompt(s) of %s tokens, n=%d, max_tokens=%s, priority %d",
+            len(prompts),
+            "/".join(str(len(p)) for p in prompts[:4]) + ("/..." if len(prompts) > 4 else ""),
+            req.n,
+            max_tokens,
+            req.priority,
+        )
         return stream, Renderer(kind, request_id, req.model, self.engine.tokenizer, token_ids=req.return_token_ids)
 
     async def chunks(
@@ -115,8 +135,20 @@ class ReplicaService:
                 final.finish_reason,
             )
             gaps = []
-        for _ in range(stream.num_choices - len(stream.finals)):  # the client left: those choices were aborted
+        _trace(stream, arrival)
+        aborted = stream.num_choices - len(stream.finals)
+        for _ in range(aborted):  # the client left: those choices were aborted
             self.metrics.finished.labels(**self.metrics.labels, finished_reason="abort").inc()
+        log.info(
+            "request finished: %d prompt + %d generated tokens (%d cached) in %.3f s, %s",
+            stream.usage.prompt_tokens,
+            stream.usage.completion_tokens,
+            stream.usage.cached_tokens,
+            time.monotonic() - arrival,
+            f"{aborted} choice(s) aborted"
+            if aborted
+            else ",".join(sorted({f.finish_reason or "?" for f in stream.finals.values()})),
+        )
 
 
 def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
@@ -158,15 +190,47 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
+        follow_caller(request)
         req, stream, renderer = await service.open("chat", await read_json(request))
         return await reply(request, service, stream, renderer, req)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        follow_caller(request)
         req, stream, renderer = await service.open("text", await read_json(request))
         return await reply(request, service, stream, renderer, req)
 
     return app
+
+
+def follow_caller(request: Request) -> None:
+    """The gateway's request id (x-request-id) and trace (traceparent), for this request's logs and spans."""
+    REQUEST_ID.set(valid_request_id(request.headers.get("x-request-id")))
+    tracing.continue_from_headers(request.headers)
+
+
+def _trace(stream: ChoiceStream, arrival: float) -> None:
+    """The request's spans, written once it is over: the whole request, its prefill (to the first token) and its
+    decode; under the gateway's routing attempt when the gateway sent its trace."""
+    end = time.time_ns()
+    span = TRACER.start_span(
+        "replica.request",
+        stream.trace_parent,
+        kind=trace.SpanKind.SERVER,
+        start_time=tracing.epoch_ns(arrival),
+        attributes={
+            "tokenfleet.request_id": stream.request_id,
+            "gen_ai.usage.input_tokens": stream.usage.prompt_tokens,
+        },
+    )
+    if not span.is_recording():
+        return
+    span.set_attribute("gen_ai.usage.output_tokens", stream.usage.completion_tokens)
+    if stream.first_token_at is not None:
+        first, inside = tracing.epoch_ns(stream.first_token_at), trace.set_span_in_context(span)
+        TRACER.start_span("prefill", inside, start_time=tracing.epoch_ns(arrival)).end(end_time=first)
+        TRACER.start_span("decode", inside, start_time=first).end(end_time=end)
+    span.end(end_time=end)
 
 
 async def reply(

@@ -207,7 +207,9 @@ def test_seeds_at_the_edges_work_for_every_choice(server, seed):
 @pytest.fixture(scope="module")
 def finished_stream(serve) -> str:
     headers = {"x-tokenfleet-resumable": "true"}
-    with httpx.stream("POST", f"{serve}{CHAT}", json=chat_body(stream=True, ignore_eos=True), headers=headers) as response:
+    with httpx.stream(
+        "POST", f"{serve}{CHAT}", json=chat_body(stream=True, ignore_eos=True), headers=headers
+    ) as response:
         assert response.status_code == 200
         list(response.iter_lines())
         return response.headers["x-request-id"]

@@ -45,7 +45,10 @@ def test_sdk_through_the_gateway_spreads_over_replicas(fleet):
 
 def test_resume_from_redis(fleet):
     with httpx.stream(
-        "POST", f"{fleet.base}/v1/chat/completions", json=stream_body(60), headers={**fleet.auth("paid"), "x-tokenfleet-resumable": "true"}
+        "POST",
+        f"{fleet.base}/v1/chat/completions",
+        json=stream_body(60),
+        headers={**fleet.auth("paid"), "x-tokenfleet-resumable": "true"},
     ) as response:
         request_id = response.headers["x-request-id"]
         first = []
@@ -72,7 +75,13 @@ def test_replica_drains_on_sigterm(demo_model_dir, tmp_path):
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     with running_process(replica_args(demo_model_dir, port), f"{base}/health", tmp_path / "r.log") as proc:
-        with httpx.stream("POST", f"{base}/v1/chat/completions", json=stream_body(480), headers={"x-tokenfleet-resumable": "true"}, timeout=60) as response:
+        with httpx.stream(
+            "POST",
+            f"{base}/v1/chat/completions",
+            json=stream_body(480),
+            headers={"x-tokenfleet-resumable": "true"},
+            timeout=60,
+        ) as response:
             lines = response.iter_lines()
             first = [next(lines)]
             proc.send_signal(signal.SIGTERM)
@@ -109,7 +118,11 @@ def test_gateway_drains_on_sigterm(fleet, tmp_path):
         ["gateway", "--config", str(tmp_path / "fleet.yaml")], f"{base}/health", tmp_path / "gateway.log"
     ) as proc:
         with httpx.stream(
-            "POST", f"{base}/v1/chat/completions", json=stream_body(300), headers={**fleet.auth("paid"), "x-tokenfleet-resumable": "true"}, timeout=60
+            "POST",
+            f"{base}/v1/chat/completions",
+            json=stream_body(300),
+            headers={**fleet.auth("paid"), "x-tokenfleet-resumable": "true"},
+            timeout=60,
         ) as response:
             lines = response.iter_lines()
             first = [next(lines)]

@@ -81,7 +81,11 @@ def test_admin_api_needs_the_admin_key(platform):
 
 def test_a_tenant_cannot_resume_or_cancel_another_tenants_request(platform):
     with httpx.stream(
-        "POST", f"{platform.base}/v1/chat/completions", json=stream_body(200), headers={**platform.auth("paid"), "x-tokenfleet-resumable": "true"}, timeout=30
+        "POST",
+        f"{platform.base}/v1/chat/completions",
+        json=stream_body(200),
+        headers={**platform.auth("paid"), "x-tokenfleet-resumable": "true"},
+        timeout=30,
     ) as response:
         request_id, token = response.headers["x-request-id"], response.headers["x-resume-token"]
         lines = response.iter_lines()

@@ -51,7 +51,9 @@ def test_two_workers_share_the_port_and_stop_together(demo_model_dir, tmp_path):
     try:
         with (
             running_process(
-                replica_args(demo_model_dir, replica_port), f"http://127.0.0.1:{replica_port}/health", tmp_path / "r.log"
+                replica_args(demo_model_dir, replica_port),
+                f"http://127.0.0.1:{replica_port}/health",
+                tmp_path / "r.log",
             ),
             running_process(
                 ["gateway", "--config", str(tmp_path / "fleet.yaml"), "--workers", "2"],

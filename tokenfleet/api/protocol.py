@@ -13,6 +13,7 @@ import jinja2
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tokenfleet.api.errors import bad_request
+from tokenfleet.api.structured_output import StructuredOutputFields
 from tokenfleet.engine.request import SamplingParams
 
 MAX_N = 128
@@ -34,7 +35,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM's: usage so far on every chunk (the gateway meters cancels by it)
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(StructuredOutputFields):
     """Fields shared by chat and text completions."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
@@ -94,6 +95,7 @@ class _SamplingFields(BaseModel):
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty,
+                structured_output=self.structured_output(),
             )
         except ValueError as e:
             raise bad_request(str(e)) from e

@@ -17,6 +17,7 @@ from tokenfleet.engine.request import Request, SamplingParams, TokenLogprob
 from tokenfleet.engine.runner import ModelRunner
 from tokenfleet.engine.sampler import Sampler
 from tokenfleet.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tokenfleet.engine.structured import GrammarCompiler
 from tokenfleet.model.config import ModelConfig, parse_dtype
 from tokenfleet.model.loader import load_model
 from tokenfleet.model.tokenizer import StopStringMatcher, Tokenizer
@@ -100,6 +101,7 @@ class Engine:
         if self.tokenizer is not None:
             self.eos_token_ids |= self.tokenizer.eos_token_ids
         self.sampler = Sampler(self.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.tracked: dict[str, _Tracked] = {}
         self.stats = StepStats()
         self._ids = itertools.count()
@@ -139,6 +141,8 @@ class Engine:
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=self.max_model_len - len(token_ids))
         req = Request(request_id, token_ids, params, priority=priority)
+        if params.structured_output is not None:
+            req.grammar = self.grammars.matcher(params.structured_output)
         detok = None
         if self.tokenizer is not None and params.detokenize:
             detok = StopStringMatcher.for_request(self.tokenizer, token_ids, params.stop)
@@ -161,6 +165,8 @@ class Engine:
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError naming what makes this request impossible to serve (safe from any thread)."""
         self.limits.validate(token_ids, params)
+        if params.structured_output is not None:  # what only the tokenizer can tell; compiled once, kept for later
+            self.grammars.compile(params.structured_output)
 
     def abort(self, request_id: str) -> bool:
         """Cancels a request in any state; its blocks are freed now. Returns False if it is unknown or done."""
@@ -256,7 +262,13 @@ class Engine:
         if logprob is not None:
             req.logprobs.append(logprob)
         reason = self._token_stop(req, token)
-        delta = self._detokenize(tracked, token, reason)
+        # a structured output ends where its grammar does; its matcher refuses any token it does not allow
+        grammar_done = reason != "stop" and req.grammar is not None and req.grammar.accept(token)
+        # eos ends the output without text, also the eos a finished grammar accepts under ignore_eos
+        adds_text = reason != "stop" and not (grammar_done and token in self.eos_token_ids)
+        delta = self._detokenize(tracked, token, adds_text, final=reason is not None or grammar_done)
+        if grammar_done:
+            reason, req.stop_reason = "stop", None
         if reason != "stop" and tracked.detok is not None and tracked.detok.matched is not None:
             reason, req.stop_reason = "stop", tracked.detok.matched
         if reason is not None:
@@ -265,12 +277,13 @@ class Engine:
         return self._output(tracked, [token], delta, [logprob] if logprob else [])
 
     @staticmethod
-    def _detokenize(tracked: _Tracked, token: int, reason: str | None) -> str:
-        """New text for this token; a token that stops the request (eos, stop token id) adds no text."""
+    def _detokenize(tracked: _Tracked, token: int, adds_text: bool, final: bool) -> str:
+        """New text for this token (none for a token that stops the request: eos, a stop token id); the last
+        token of a request also flushes what the detokenizer held back."""
         if tracked.detok is None:
             return ""
-        delta, _ = tracked.detok.add([] if reason == "stop" else [token])
-        if reason is not None:
+        delta, _ = tracked.detok.add([token] if adds_text else [])
+        if final:
             delta += tracked.detok.flush()
         tracked.text += delta
         return delta

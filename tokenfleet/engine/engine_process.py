@@ -28,6 +28,7 @@ from tokenfleet.engine.engine import RequestOutput
 from tokenfleet.engine.limits import EngineLimits
 from tokenfleet.engine.request import SamplingParams, TokenLogprob
 from tokenfleet.engine.state import EngineState
+from tokenfleet.engine.structured import GrammarCompiler
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -114,6 +115,10 @@ class EngineProcess(StreamingEngine[_Stream]):
         self._process.start()
         child.close()
         self.limits, self._state = self._wait_ready(start_timeout_s)
+        # the same compile as in the engine process, so that what only the tokenizer can refuse is refused here,
+        # before a response starts; compiled once per spec, like there
+        eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer is not None else set()
+        self.grammars = GrammarCompiler(self.tokenizer, self.limits.vocab_size, eos_token_ids)
         self._send_lock = threading.Lock()
         self.dead: str | None = None  # why the engine process is gone, once it is
         self._reader = threading.Thread(target=self._read, name="tokenfleet-engine-reader", daemon=True)
@@ -139,6 +144,8 @@ class EngineProcess(StreamingEngine[_Stream]):
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         self.limits.validate(token_ids, params)
+        if params.structured_output is not None:
+            self.grammars.compile(params.structured_output)
 
     def state(self) -> EngineState:
         return self._state

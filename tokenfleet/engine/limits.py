@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenfleet.engine.request import SamplingParams
+from tokenfleet.engine.structured import check_structured_output
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,10 @@ class EngineLimits:
         vocab = self.vocab_size
         if params.stop and not self.has_tokenizer:
             raise ValueError("stop strings need the tokenizer; this engine runs without one")
+        if params.structured_output is not None:
+            if not self.has_tokenizer:
+                raise ValueError("structured outputs need the tokenizer; this engine runs without one")
+            check_structured_output(params.structured_output)
         if not token_ids:
             raise ValueError("the prompt is empty: it must contain at least one token")
         bad = [t for t in token_ids if not 0 <= t < vocab]

@@ -3,13 +3,68 @@
 from __future__ import annotations
 
 import enum
+import json
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 if TYPE_CHECKING:
     import torch
+
+    from tokenfleet.engine.structured import RequestGrammar
+
+StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+STRUCTURED_KINDS: tuple[str, ...] = get_args(StructuredKind)
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must match. `spec` is the JSON schema's text (json_schema), the regular expression (regex,
+    matched in full), a JSON list of the allowed strings (choice), a Lark or GBNF grammar (grammar), or "" for any
+    JSON object (json_object). Build one with the constructors below."""
+
+    kind: StructuredKind
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
+        if not isinstance(self.spec, str):
+            raise ValueError(f"a structured output's spec is a string, got {type(self.spec).__name__}")
+        if self.kind == "json_object" and self.spec:
+            raise ValueError("json_object takes no spec")
+        if self.kind in ("regex", "grammar") and not self.spec:
+            raise ValueError(f"the {self.kind} must not be empty")
+
+    @classmethod
+    def json_schema(cls, schema: Mapping[str, Any] | str) -> StructuredOutput:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+        if not isinstance(schema, Mapping):
+            raise ValueError(f"a JSON schema is a JSON object, got {type(schema).__name__}")
+        return cls("json_schema", json.dumps(schema, ensure_ascii=False))
+
+    @classmethod
+    def json_object(cls) -> StructuredOutput:
+        return cls("json_object")
+
+    @classmethod
+    def regex(cls, pattern: str) -> StructuredOutput:
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, choices: Sequence[str]) -> StructuredOutput:
+        if isinstance(choices, str) or not choices or not all(isinstance(c, str) and c for c in choices):
+            raise ValueError("a choice is a non-empty list of non-empty strings")
+        return cls("choice", json.dumps(list(choices), ensure_ascii=False))
+
+    @classmethod
+    def grammar(cls, grammar: str) -> StructuredOutput:
+        return cls("grammar", grammar)
 
 
 @dataclass
@@ -31,6 +86,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     detokenize: bool = True  # False: token ids only (no text, no stop strings), as in vLLM
+    structured_output: StructuredOutput | None = None  # the output must match it (vLLM's structured_outputs)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,6 +117,10 @@ class SamplingParams:
             (self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
             (self.detokenize or not self.stop, "stop strings need detokenize=True"),
+            (
+                self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
+                f"structured_output must be a StructuredOutput, got {type(self.structured_output).__name__}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -112,6 +172,7 @@ class Request:
     num_preemptions: int = 0
     engine_s: float = 0.0  # its share of the engine's step time so far (for cost per token)
     generator: torch.Generator | None = None
+    grammar: RequestGrammar | None = None  # its structured output's matcher, advanced on every accepted token
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -1,7 +1,7 @@
 """Turns one row of logits per request into that request's next token (vLLM/OpenAI sampling semantics).
 
-Per row: logprobs of the raw logits, min_tokens masking, penalties, then greedy argmax or
-temperature -> top_k -> top_p -> min_p -> sampling by an exponential race, argmax(probs / q) with q ~ Exp(1).
+Per row: logprobs of the raw logits, min_tokens masking, the structured output's token mask, penalties, then greedy
+argmax or temperature -> top_k -> top_p -> min_p -> sampling by an exponential race, argmax(probs / q) with q ~ Exp(1).
 Seeded requests draw q only from their own generator, so their tokens do not depend on the rest of the batch.
 """
 
@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenfleet.engine.request import Request, SamplingParams, TokenLogprob
+from tokenfleet.engine.structured import RequestGrammar
+from tokenfleet.engine.structured_mask import apply_structured_masks
 
 # Like vLLM, temperatures this small count as greedy: dividing by them would overflow the logits.
 _GREEDY_EPS = 1e-5
@@ -34,7 +36,7 @@ class _Plan:
     """Batch rows grouped by how much work they need."""
 
     plain_greedy: list[int] = field(default_factory=list)  # argmax of the raw logits, nothing else
-    processed: list[int] = field(default_factory=list)  # penalties, min_tokens or random sampling
+    processed: list[int] = field(default_factory=list)  # penalties, min_tokens, a structured output or sampling
     with_logprobs: list[int] = field(default_factory=list)
 
 
@@ -52,7 +54,7 @@ def _make_plan(requests: Sequence[Request]) -> _Plan:
         params = req.params
         if params.logprobs is not None:
             plan.with_logprobs.append(i)
-        plain = _is_greedy(params) and not params.has_penalties and not _min_tokens_active(req)
+        plain = _is_greedy(params) and not params.has_penalties and not _min_tokens_active(req) and req.grammar is None
         (plan.plain_greedy if plain else plan.processed).append(i)
     return plan
 
@@ -304,6 +306,7 @@ class Sampler:
     def _process_and_sample(self, x: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """x: float32 rows owned by the sampler, modified in place. Returns one token id per row."""
         apply_min_tokens(x, requests, self.eos_token_ids)
+        apply_structured_masks(x, [_caught_up_grammar(r) for r in requests])
         apply_penalties(x, requests, self._prompts)
         greedy = [i for i, r in enumerate(requests) if _is_greedy(r.params)]
         if len(greedy) == len(requests):
@@ -316,6 +319,14 @@ class Sampler:
         out.index_copy_(0, g_idx, x.index_select(0, g_idx).argmax(dim=-1))
         out.index_copy_(0, r_idx, _sample_random(x.index_select(0, r_idx), [requests[i] for i in random]))
         return out
+
+
+def _caught_up_grammar(req: Request) -> RequestGrammar | None:
+    """The request's matcher, at the end of its output so far (see RequestGrammar.catch_up)."""
+    grammar = req.grammar
+    if grammar is not None and grammar.num_consumed != req.num_output_tokens:
+        grammar.catch_up(req.output_token_ids)
+    return grammar
 
 
 def _collect_logprobs(

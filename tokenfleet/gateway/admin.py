@@ -1,4 +1,5 @@
-"""The admin API under /admin/v1: organisations and API keys, for operators holding the admin key.
+"""The admin API under /admin/v1: organisations and API keys, and the fleet view the operator console polls, for
+operators holding the admin key.
 
 Every route needs `Authorization: Bearer <admin_key>`; without a configured admin key they all answer 403. Errors
 use the OpenAI error shape; a key's plaintext appears in exactly one response, the one that creates it."""
@@ -18,6 +19,8 @@ from pydantic import BaseModel, ConfigDict
 from tokenfleet.api.errors import APIError, bad_request, not_found
 from tokenfleet.api.http import install_error_handler, read_json
 from tokenfleet.api.protocol import parse
+from tokenfleet.gateway.fleet_view import fleet_view
+from tokenfleet.gateway.gateway import Gateway
 from tokenfleet.quota.limits import Limits
 from tokenfleet.store.records import AlreadyExists, KeyInfo, NotFound, OrgInfo
 from tokenfleet.store.tenants import KEEP, TenantStore
@@ -109,6 +112,18 @@ def admin_guard(admin_key: str | None):
             )
 
     return guard
+
+
+def add_fleet_view(app: FastAPI, gateway: Gateway, admin_key: str | None) -> None:
+    """GET /admin/v1/fleet: models, replicas, the overload ladder, queues and refusals per tier, the autoscaler's
+    decision (tokenfleet.gateway.fleet_view), read from memory."""
+    router = APIRouter(prefix=PREFIX, dependencies=[Depends(admin_guard(admin_key))])
+
+    @router.get("/fleet")
+    async def fleet() -> JSONResponse:
+        return JSONResponse({"object": "fleet", **asdict(fleet_view(gateway))}, headers={"cache-control": "no-store"})
+
+    app.include_router(router)
 
 
 def add_admin_routes(

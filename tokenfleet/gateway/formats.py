@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tokenfleet.api.errors import APIError
 from tokenfleet.api.usage import Usage
@@ -19,6 +20,9 @@ class OpenAIFormat:
     request_id: str
     include_usage: bool  # whether the client asked for the final usage chunk
     continuous_usage: bool = False  # ... and for usage on every chunk
+
+    def start(self) -> list[Event]:
+        return []
 
     def chunk(self, chunk: Chunk) -> list[Event]:
         if chunk.usage_only and not self.include_usage:
@@ -43,6 +47,9 @@ class OpenAIFormat:
 class NativeFormat:
     kind = "native"
     request_id: str
+
+    def start(self) -> list[Event]:
+        return []
 
     def chunk(self, chunk: Chunk) -> list[Event]:
         if chunk.usage_only:
@@ -75,6 +82,9 @@ class CollectFormat:
     chunks: list[Chunk] = field(default_factory=list)
     failure: APIError | None = None
 
+    def start(self) -> list[Event]:
+        return []
+
     def chunk(self, chunk: Chunk) -> list[Event]:
         self.chunks.append(chunk)
         return []
@@ -93,6 +103,10 @@ class CollectFormat:
 def ending_with_error(kind: str, request_id: str, error: APIError) -> list[Event]:
     """The last events of a stream that cannot go on (its gateway died, or the resume buffer failed), in the
     stream's format: the error, then the format's end."""
+    if kind == "responses":  # its error event; the response's last state died with the gateway that kept it
+        return [
+            (json.dumps({"type": "error", "code": error.code, "message": error.message, "param": error.param}), "error")
+        ]
     fmt = NativeFormat(request_id) if kind == NativeFormat.kind else OpenAIFormat(request_id, False)
     return fmt.error(error) + fmt.end()
 
@@ -105,4 +119,18 @@ def _native_usage(usage: Usage) -> dict:
     }
 
 
-EventFormat = OpenAIFormat | NativeFormat | CollectFormat
+class EventFormat(Protocol):
+    """How a relay writes its request's events (OpenAIFormat, NativeFormat, CollectFormat, ResponsesFormat)."""
+
+    @property
+    def kind(self) -> str: ...  # the resume buffer's name for it, to end a stream whose gateway is gone
+
+    def start(self) -> list[Event]: ...
+
+    def chunk(self, chunk: Chunk) -> list[Event]: ...
+
+    def retrying(self, retrying: Retrying) -> list[Event]: ...
+
+    def error(self, error: APIError) -> list[Event]: ...
+
+    def end(self) -> list[Event]: ...

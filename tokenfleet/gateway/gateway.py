@@ -83,9 +83,11 @@ class Gateway:
         native: bool = False,
         affinity: str | None = None,
         mode: str | None = None,
+        event_format: Callable[[str], EventFormat] | None = None,
     ) -> Relay:
         """Validate, apply the overload plan, reserve quota, then wait for room (the safety check runs meanwhile)
-        and start generating. Anything that fails after the reservation gives it back."""
+        and start generating. Anything that fails after the reservation gives it back. `event_format(request_id)`:
+        how the relay writes its events, when not as the request's own API does (the Responses API's)."""
         p = await self.preparation.prepare(kind, body, caller, mode)
         REQUEST_ID.set(p.request_id)  # in this task's log lines, and sent on to the replica (x-request-id)
         span = TRACER.start_span(
@@ -95,12 +97,20 @@ class Gateway:
             attributes={"tokenfleet.request_id": p.request_id, "tokenfleet.tier": caller.principal.tier},
         )
         try:
-            return await self._admit(p, caller, native, affinity, span)
+            return await self._admit(p, caller, native, affinity, span, event_format)
         except BaseException as e:
             _end_span(span, e)
             raise
 
-    async def _admit(self, p: Prepared, caller: Caller, native: bool, affinity: str | None, span: trace.Span) -> Relay:
+    async def _admit(
+        self,
+        p: Prepared,
+        caller: Caller,
+        native: bool,
+        affinity: str | None,
+        span: trace.Span,
+        event_format: Callable[[str], EventFormat] | None,
+    ) -> Relay:
         admission = TRACER.start_span("admission", trace.set_span_in_context(span), start_time=epoch_ns(p.arrived))
         try:
             admitted, tokens = await self._reserve(p, caller)
@@ -116,7 +126,7 @@ class Gateway:
                 if refusal:
                     raise bad_request(refusal, code="content_filter")
                 await queued
-            fmt = _event_format(p.request_id, p.req, native)
+            fmt = event_format(p.request_id) if event_format else _event_format(p.request_id, p.req, native)
             return await self.start_relay(p, fmt, admitted, affinity, span)
         except BaseException as e:
             queued.cancel()

@@ -44,6 +44,7 @@ class Relay:
 
     async def start(self, chunks: AsyncIterator[Piece]) -> None:
         await self.buffer.open(self.request_id, self.owner, self.format.kind)
+        await self._emit_all(self.format.start())
         self.task = asyncio.create_task(self._run(chunks), name=f"relay-{self.request_id}")
 
     async def _run(self, chunks: AsyncIterator[Piece]) -> None:

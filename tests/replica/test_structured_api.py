@@ -172,12 +172,6 @@ def test_bad_specs_are_400s_before_a_stream_starts(replica, extra, param, messag
     assert_400(post_chat(replica, True, **extra), param, message)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the gateway answers a stream with 200 before its replica parses the structured output (what the schema "
-    "allows is checked on the replica: an external OpenAI-compatible one may allow more); the error then arrives "
-    "as an SSE error event",
-)
 def test_a_bad_schema_in_a_stream_through_the_gateway_is_a_400(serve):
     extra, param, message = BAD[0]
     assert_400(post_chat(serve, True, **extra), param, message)

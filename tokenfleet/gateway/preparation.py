@@ -72,6 +72,8 @@ class RequestPreparation:
         if info.tokenizer is not first.tokenizer:
             prompts = await prompt_token_ids_off_loop(req, info.tokenizer)
         self._check_window(kind, req, prompts, info)
+        if self._all_ours(info.name):  # an external OpenAI server may allow more; ours answer what this checks
+            req.structured_output()  # a schema we cannot enforce is a 400 now, not an error event in a 200 stream
         return Prepared(request_id, kind, req, {**body, "model": info.name}, resolution, prompts)
 
     async def reroute(self, p: Prepared, model: str, why: str) -> None:
@@ -85,6 +87,10 @@ class RequestPreparation:
         self._check_window(p.kind, p.req, p.prompts, info)
         p.resolution = Resolution(spec, p.resolution.requested, why, spec.deprecated_on)
         p.body = {**p.body, "model": spec.name}
+
+    def _all_ours(self, model: str) -> bool:
+        replicas = self.router.pools_for(model).replicas.values()
+        return bool(replicas) and all(r.kind == "tokenfleet" for r in replicas)
 
     def _tokenizer_for(self, requested: str) -> ModelInfo:
         """The named model's, or for a routing alias its first rule's (to count the tokens its rules look at)."""

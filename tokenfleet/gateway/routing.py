@@ -32,6 +32,8 @@ TRACER = tracing.tracer("gateway")
 # what an upstream's failure was caused by: httpx's exceptions, or the stream client's (http:// replicas)
 TIMEOUTS = (httpx.TimeoutException, UpstreamTimeout)
 TRANSPORT_ERRORS = (httpx.TransportError, UpstreamError)
+# the fields that put a grammar on the output (besides a typed response_format)
+STRUCTURED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 # how a replica failed (_failure_kind), as the log says it
 FAILURE_WORDS = {
     "connect": "refused the connection (nothing was sent)",
@@ -75,6 +77,19 @@ class RoutedRequest:
     continued_text: ContinuedText | None = None  # a continuation's text, made from the token ids
     trace: trace.Span | None = None  # each attempt's span goes under it
 
+    def constrained(self) -> bool:
+        """Whether a grammar constrains the output (a continuation as a text completion would drop it)."""
+        fmt = self.body.get("response_format")
+        typed = isinstance(fmt, dict) and fmt.get("type") not in (None, "text")
+        return typed or any(self.body.get(name) is not None for name in STRUCTURED_FIELDS)
+
+    def started(self) -> bool:
+        return bool(self.generated) or bool(self.generated_ids)
+
+    def can_continue(self) -> bool:
+        """A constrained output goes on elsewhere only if nothing was generated yet (then it starts over there)."""
+        return not (self.constrained() and self.started())
+
     def wants_token_ids(self) -> bool:
         """Whether the client asked for token ids itself (else the ones asked for a failover are dropped)."""
         return bool(self.body.get("return_token_ids"))
@@ -90,7 +105,7 @@ async def routed_chunks(request: RoutedRequest) -> AsyncIterator[Piece]:
                     yield chunk
             return
         except _ReplicaFailed as failed:
-            if attempt > request.max_retries or request.choices > 1:
+            if attempt > request.max_retries or request.choices > 1 or not request.can_continue():
                 raise failed.error from None
             exclude.append(replica.name)
             log.warning(
@@ -128,7 +143,8 @@ class _ReplicaFailed(Exception):
 
 
 async def _attempt(request: RoutedRequest, replica: Replica, attempt: int) -> AsyncIterator[Chunk]:
-    kind, body = (request.kind, request.body) if attempt == 1 else ("text", _continuation(request))
+    from_scratch = attempt == 1 or not request.started()
+    kind, body = (request.kind, request.body) if from_scratch else ("text", _continuation(request))
     if replica.kind == "tokenfleet" and request.choices == 1 and request.max_retries > 0:
         body = {**body, "return_token_ids": True}  # what a continuation on another replica starts from
     pools, started, ttft, outcome = request.pools, time.monotonic(), None, "cancelled"
@@ -142,7 +158,7 @@ async def _attempt(request: RoutedRequest, replica: Replica, attempt: int) -> As
                     ttft = time.monotonic() - started
                     span.add_event("first_token")
                 chunk, stopped_here = Chunk.from_wire(data), False
-                if attempt > 1:
+                if not from_scratch:
                     chunk, stopped_here = _as_continued(request, chunk)
                 _follow(request, chunk)
                 yield _for_client(request, chunk)

@@ -10,11 +10,11 @@ import pytest
 from sqlalchemy import update
 
 from tokenfleet.conversations.cursors import BadCursor
-from tokenfleet.conversations.records import COMPLETE, FAILED, STOPPED, STREAMING, Conflict, Outcome, Owner
+from tokenfleet.conversations.records import COMPLETE, FAILED, STOPPED, STREAMING, Conflict, Outcome
 from tokenfleet.conversations.store import ConversationStore
 from tokenfleet.store.db import Database
 from tokenfleet.store.models import MessageRow, utcnow
-from tokenfleet.store.records import NotFound
+from tokenfleet.store.records import NotFound, Owner
 
 pytestmark = pytest.mark.anyio
 ANN, EVE, ANNS_NAMESAKE = Owner("acme", "ann"), Owner("rival", "eve"), Owner("rival", "ann")

@@ -13,14 +13,6 @@ class Conflict(Exception):
 
 
 @dataclass(frozen=True)
-class Owner:
-    """Whose conversations: a user of an organisation. Every query is scoped by both."""
-
-    org_id: str
-    user_id: str
-
-
-@dataclass(frozen=True)
 class Conversation:
     id: str
     title: str | None

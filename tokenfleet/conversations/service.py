@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 
 from tokenfleet.api.errors import not_found
 from tokenfleet.conversations.prompt import Prompt, fit
-from tokenfleet.conversations.records import STOPPED, STREAMING, Conflict, Conversation, Message, Owner
+from tokenfleet.conversations.records import STOPPED, STREAMING, Conflict, Conversation, Message
 from tokenfleet.conversations.run import Run
 from tokenfleet.conversations.settings import ConversationSettings
 from tokenfleet.conversations.store import ConversationStore, check_reopenable
 from tokenfleet.gateway.auth import Caller
 from tokenfleet.gateway.gateway import Gateway, ModelInfo
 from tokenfleet.gateway.relay import Relay
+from tokenfleet.store.records import Owner
 
 log = logging.getLogger(__name__)
 END_GRACE_S = 5.0  # after its relay ends, how long a reply waits for the buffer's last events
@@ -35,6 +36,13 @@ class ReplyOptions:
 
 def owner_of(caller: Caller) -> Owner:
     return Owner(caller.principal.org_id, caller.principal.user_id)
+
+
+def _fitted(
+    info: ModelInfo, max_tokens: int, conv: Conversation, history: list[dict], tail: list[dict], prefix: str = ""
+) -> Prompt:
+    """The conversation's system prompt, as much history as the model's window leaves room for, then the tail."""
+    return fit(info.tokenizer, info.max_model_len, max_tokens, conv.system_prompt, history, tail, prefix=prefix)
 
 
 def as_prompt(messages: list[Message]) -> list[dict]:
@@ -88,14 +96,7 @@ class ConversationService:
                 f"a reply is still streaming in this conversation (message {busy.id}); wait for it or stop it first"
             )
         model, info, max_tokens = self._generation(options, conv)
-        prompt = fit(
-            info.tokenizer,
-            info.max_model_len,
-            max_tokens,
-            conv.system_prompt,
-            as_prompt(history),
-            [{"role": "user", "content": content}],
-        )
+        prompt = _fitted(info, max_tokens, conv, as_prompt(history), [{"role": "user", "content": content}])
         relay = await self._admit(caller, conversation_id, model, prompt, max_tokens, options, continuing=False)
         try:
             tokens = len(info.tokenizer.encode(content, add_special_tokens=False))
@@ -118,15 +119,8 @@ class ConversationService:
         earlier = [m for m in history if m.seq < msg.seq]
         tail = earlier[-1:] if earlier and earlier[-1].role == "user" else []  # the message it answers
         model, info, max_tokens = self._generation(options, conv)
-        prompt = fit(
-            info.tokenizer,
-            info.max_model_len,
-            max_tokens,
-            conv.system_prompt,
-            as_prompt(earlier[: len(earlier) - len(tail)]),
-            as_prompt(tail),
-            prefix=msg.content if continuing else "",
-        )
+        history, prefix = as_prompt(earlier[: len(earlier) - len(tail)]), msg.content if continuing else ""
+        prompt = _fitted(info, max_tokens, conv, history, as_prompt(tail), prefix)
         relay = await self._admit(caller, conv.id, model, prompt, max_tokens, options, continuing)
         try:
             reply = await self.store.reopen(owner, message_id, relay.request_id, relay.route.model, continuing)

@@ -25,13 +25,12 @@ from tokenfleet.conversations.records import (
     Conversation,
     Message,
     Outcome,
-    Owner,
     Page,
 )
 from tokenfleet.store.api_keys import new_id
 from tokenfleet.store.db import Database
 from tokenfleet.store.models import ConversationRow, MessageRow, utcnow
-from tokenfleet.store.records import NotFound
+from tokenfleet.store.records import NotFound, Owner
 
 TITLE_CHARS = 60  # a title made from the first message
 LOST = "the gateway generating this reply stopped (restart or crash); regenerate it"

@@ -17,8 +17,8 @@ from tokenfleet.gateway.gateway import Gateway
 from tokenfleet.gateway.relay import Relay
 from tokenfleet.gateway.responses_format import ResponsesFormat
 from tokenfleet.responses.request import ResponseCreate
-from tokenfleet.responses.store import Owner, ResponseStore, StoredResponse
-from tokenfleet.store.records import NotFound
+from tokenfleet.responses.store import ResponseStore, StoredResponse
+from tokenfleet.store.records import NotFound, Owner
 
 log = logging.getLogger(__name__)
 KEEP_RUNNING_S = 60.0  # a finished response stays readable from memory while it is being saved

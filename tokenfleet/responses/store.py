@@ -11,16 +11,10 @@ from sqlalchemy import delete, select
 
 from tokenfleet.store.db import Database
 from tokenfleet.store.models import ResponseRow
-from tokenfleet.store.records import NotFound
+from tokenfleet.store.records import NotFound, Owner
 
 ID_PATTERN = re.compile(r"resp_[0-9a-f]{32}")
 MAX_CHAIN = 256  # turns a previous_response_id may reach back through
-
-
-@dataclass(frozen=True)
-class Owner:
-    org_id: str
-    user_id: str
 
 
 @dataclass(frozen=True)

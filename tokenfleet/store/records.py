@@ -17,6 +17,14 @@ class AlreadyExists(ValueError):
 
 
 @dataclass(frozen=True)
+class Owner:
+    """Whose data (conversations, stored responses): a user of an organisation. Every query is scoped by both."""
+
+    org_id: str
+    user_id: str
+
+
+@dataclass(frozen=True)
 class OrgInfo:
     id: str
     name: str

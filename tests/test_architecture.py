@@ -13,15 +13,15 @@ ROOT = Path(__file__).resolve().parents[1] / "tokenfleet"
 
 # Bottom to top. A name is a package (a folder) or a top-level module of tokenfleet.
 LAYERS: list[set[str]] = [
-    {"table", "logs", "settings", "metric_families"},
+    {"table", "logs", "tracing", "settings", "metric_families"},
     {"model"},
     {"engine"},
     {"api"},
     {"quota"},
     {"store", "dispatch", "router"},
-    {"metering", "replica", "autoscale"},
+    {"metering", "replica", "autoscale", "web"},
     {"gateway"},
-    {"conversations", "billing", "sim"},
+    {"conversations", "responses", "billing", "sim"},
     {"config"},
     {"commands"},
     {"cli", "__init__"},
@@ -44,6 +44,7 @@ ENGINE_MAY_NOT_LOAD = (
     "billing",
     "commands",
     "config",
+    "web",
 )
 THIRD_PARTY_NOT_IN_ENGINE = ("fastapi", "starlette", "uvicorn", "httpx", "redis", "sqlalchemy", "prometheus_client")
 

@@ -141,8 +141,14 @@ def add_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--database-url",
         default=None,
-        help="tenants and keys with --auth (default: $TOKENFLEET_DATABASE_URL, else SQLite under "
-        "~/.local/share/tokenfleet)",
+        help="usage, and tenants and keys with --auth (default: the SQLite file in --data-dir, else "
+        "$TOKENFLEET_DATABASE_URL, else --config's database_url, else the SQLite file in the default data dir)",
+    )
+    parser.add_argument(
+        "--data-dir",
+        default=None,
+        help="this instance's folder, holding its SQLite database (default: ~/.local/share/tokenfleet/serve-PORT, "
+        "one per port, printed at start)",
     )
     add_drain_argument(parser)
 
@@ -158,6 +164,12 @@ def add_gateway(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="fleet.yaml (see docs/architecture.md)")
     parser.add_argument("--host", default=None, help="address to listen on (default: the file's host)")
     parser.add_argument("--port", type=int, default=None, help="port to listen on (default: the file's port)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="gateway processes on this port, sharing Redis and PostgreSQL (needs redis_url); default 1",
+    )
 
 
 def run_gateway(args: argparse.Namespace) -> int:
@@ -168,6 +180,8 @@ def run_gateway(args: argparse.Namespace) -> int:
 
 
 def add_keys(parser: argparse.ArgumentParser) -> None:
+    from tokenfleet.commands.database import add_data_dir_argument
+
     actions = parser.add_subparsers(dest="keys_action", required=True, metavar="ACTION")
     create = actions.add_parser(
         "create", help="create an API key (and its organisation and user when new); the key is printed once"
@@ -184,10 +198,11 @@ def add_keys(parser: argparse.ArgumentParser) -> None:
         action.add_argument(
             "--database-url",
             default=None,
-            help="sqlite:///path or postgresql://user@host/db (default: $TOKENFLEET_DATABASE_URL, "
-            "else database_url in --config, else ~/.local/share/tokenfleet/tokenfleet.db)",
+            help="sqlite:///path or postgresql://user@host/db (default: the SQLite file in --data-dir, else "
+            "$TOKENFLEET_DATABASE_URL, else database_url in --config, else the default serve instance's)",
         )
         action.add_argument("--config", default=None, help="fleet.yaml: its database_url and tiers")
+        add_data_dir_argument(action)
 
 
 def run_keys(args: argparse.Namespace) -> int:
@@ -208,6 +223,30 @@ def run_usage(args: argparse.Namespace) -> int:
     return run_usage_command(args)
 
 
+def add_fleet(parser: argparse.ArgumentParser) -> None:
+    from tokenfleet.commands.fleet import add_fleet_arguments
+
+    add_fleet_arguments(parser)
+
+
+def run_fleet(args: argparse.Namespace) -> int:
+    from tokenfleet.commands.fleet import run_fleet_command
+
+    return run_fleet_command(args)
+
+
+def add_db(parser: argparse.ArgumentParser) -> None:
+    from tokenfleet.commands.database import add_db_arguments
+
+    add_db_arguments(parser)
+
+
+def run_db(args: argparse.Namespace) -> int:
+    from tokenfleet.commands.database import run_db_command
+
+    return run_db_command(args)
+
+
 def add_simulate(parser: argparse.ArgumentParser) -> None:
     from tokenfleet.sim.command import add_simulate_arguments
 
@@ -224,6 +263,12 @@ COMMANDS: list[Command] = [
     Command("serve", "gateway and one replica in one process (demo checkpoint without --model)", add_serve, run_serve),
     Command("gateway", "the public API in front of replicas listed in a fleet.yaml", add_gateway, run_gateway),
     Command("replica", "serve one model with the OpenAI-compatible replica server", add_replica, run_replica),
+    Command(
+        "fleet",
+        "a local fleet in one command: N replicas and a gateway on the local Redis and PostgreSQL",
+        add_fleet,
+        run_fleet,
+    ),
     Command("generate", "generate completions offline for a few prompts", add_generate, run_generate),
     Command(
         "demo-model",
@@ -232,6 +277,7 @@ COMMANDS: list[Command] = [
         run_demo_model,
     ),
     Command("keys", "create, list and revoke API keys (runs database migrations first)", add_keys, run_keys),
+    Command("db", "create the database when missing and migrate it (db init)", add_db, run_db),
     Command(
         "usage",
         "tokens and cost by organisation, user, model and day; cost per million output tokens",
@@ -263,8 +309,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(only=argv[0] if argv else "").parse_args(argv)
+    from tokenfleet.commands.errors import CommandError
+
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError) as e:  # a mistake in flags or configuration: a message, not a traceback
         print(f"tokenfleet {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except CommandError as e:  # a service the command needs is missing or down
+        print(f"tokenfleet {args.command}: error: {e}", file=sys.stderr)
+        return 1

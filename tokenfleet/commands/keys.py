@@ -28,7 +28,7 @@ def tier_names(config_path: str | None) -> Collection[str]:
 
 def run_keys_command(args: argparse.Namespace) -> int:
     try:
-        url = resolve_database_url(args.database_url, args.config)
+        url = resolve_database_url(args.database_url, args.config, args.data_dir)
         tiers = tier_names(args.config)
         db = Database(url)
     except (OSError, ValueError, TypeError) as e:  # a bad --config file or database URL

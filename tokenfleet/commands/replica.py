@@ -29,6 +29,7 @@ from tokenfleet.engine.engine_process import start_engine
 from tokenfleet.logs import configure_logging
 from tokenfleet.replica.server import create_app
 from tokenfleet.router.registry import RegistryKeys, ReplicaAnnouncer, ReplicaRecord
+from tokenfleet.tracing import configure_tracing
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ _ANY_ADDRESS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
 def serve_replica(args: argparse.Namespace) -> None:
     configure_logging()
+    configure_tracing("tokenfleet-replica")  # when OTEL_EXPORTER_OTLP_ENDPOINT names a collector
     config = engine_config_from_args(args)
     name = args.served_model_name or Path(config.model).resolve().name
     registration = registration_from_args(args, name) if getattr(args, "register", None) else None

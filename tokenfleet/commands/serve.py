@@ -15,7 +15,10 @@ from fastapi import FastAPI
 from tokenfleet.api.http import run_http
 from tokenfleet.autoscale.service import add_autoscaler
 from tokenfleet.billing.routes import add_usage_routes
-from tokenfleet.commands.database import resolve_database_url
+from tokenfleet.commands.database import default_data_dir, describe, resolve_database_url
+from tokenfleet.commands.demo import demo_checkpoint
+from tokenfleet.commands.preflight import check_fleet_services
+from tokenfleet.commands.workers import check_workers, run_workers
 from tokenfleet.config import FleetConfig, TierConfig
 from tokenfleet.conversations.routes import add_conversation_routes
 from tokenfleet.dispatch.overload import OverloadLadder
@@ -39,14 +42,15 @@ from tokenfleet.quota.base import QuotaService
 from tokenfleet.quota.failover import FailoverQuota
 from tokenfleet.quota.memory import MemoryQuota
 from tokenfleet.quota.redis import RedisQuota
+from tokenfleet.responses.routes import add_response_routes
 from tokenfleet.router.catalog import ModelCatalog
 from tokenfleet.router.registry import ReplicaRegistry
 from tokenfleet.router.router import Router
 from tokenfleet.store.db import Database
 from tokenfleet.store.tenants import TenantStore
+from tokenfleet.tracing import configure_tracing
 
 log = logging.getLogger(__name__)
-DEMO_DIR = Path.home() / ".cache" / "tokenfleet" / "demo-model"
 
 
 def model_info(name: str, path: str, max_model_len: int | None = None) -> ModelInfo:
@@ -131,34 +135,42 @@ def build_gateway(
     admission = Admission(quota, dispatchers, OverloadLadder(config.overload))
     auth = Authenticator(None if open_tier else store, tiers, open_tier or "paid")
     secret = config.resume_secret.encode() if config.resume_secret else None
+    buffer = buffer or resume_buffer(config)
     gateway = Gateway(
         models,
         router,
-        buffer or resume_buffer(config),
+        buffer,
         admission,
         auth,
         config.streams,
         load_hook(config.safety_hook),
         secret,
+        usage=None if db is None else usage_recorder(config, db, buffer),
+        db=db,
     )
     add_background_work(gateway, config)
     if isinstance(gateway.buffer, FleetResumeBuffer):
         gateway.services.append(gateway.buffer.keep_alive)
     gateway.closers.append(quota.close)
     if db is not None:
-        gateway.db = db
         add_metering(gateway, config, db)
         gateway.closers.append(db.close)
     return gateway, store
 
 
-def add_metering(gateway: Gateway, config: FleetConfig, db: Database) -> None:
-    """A usage event per request: the recorder keeps each request's outbox row, the shipper moves closed rows to
-    the event log (the Redis Stream in a fleet, in memory embedded), the writer fills the warehouse table."""
-    settings, outbox = config.metering, Outbox(db)
+def usage_recorder(config: FleetConfig, db: Database, buffer: ResumeBuffer) -> UsageRecorder:
+    """A usage event per request: the recorder keeps each request's outbox row."""
+    settings = config.metering
     # a dead gateway's requests are billed for what their resume streams show was generated (fleet)
-    reconcile = reconciler(gateway.buffer) if isinstance(gateway.buffer, FleetResumeBuffer) else None
-    gateway.usage = UsageRecorder(outbox, settings.lease_s, settings.checkpoint_s, settings.batch_s, reconcile)
+    reconcile = reconciler(buffer) if isinstance(buffer, FleetResumeBuffer) else None
+    return UsageRecorder(Outbox(db), settings.lease_s, settings.checkpoint_s, settings.batch_s, reconcile)
+
+
+def add_metering(gateway: Gateway, config: FleetConfig, db: Database) -> None:
+    """The recorder's loop; the shipper moves closed outbox rows to the event log (the Redis Stream in a fleet, in
+    memory embedded); the writer fills the warehouse table."""
+    settings, outbox, recorder = config.metering, Outbox(db), gateway.usage
+    assert recorder is not None
     if config.redis_url:
         event_log = RedisStreamLog.from_url(config.redis_url, settings.stream_key, settings.group)
     else:
@@ -176,11 +188,11 @@ def add_metering(gateway: Gateway, config: FleetConfig, db: Database) -> None:
             await resend_unwritten(outbox)
         await shipper.run()
 
-    gateway.services += [gateway.usage.run, ship]
+    gateway.services += [recorder.run, ship]
     if settings.write_warehouse:
         writer = WarehouseWriter(db, event_log, settings.consumer or socket.gethostname())
         gateway.services.append(writer.run)
-    gateway.closers += [gateway.usage.flush, event_log.close]
+    gateway.closers += [recorder.flush, event_log.close]
 
 
 async def resend_unwritten(outbox: Outbox) -> None:
@@ -244,17 +256,29 @@ def admin_routes(gateway: Gateway, store: TenantStore | None, config: FleetConfi
         if gateway.db is not None:
             add_usage_routes(app, gateway, gateway.db, config.billing, config.admin_key)
             add_conversation_routes(app, gateway, gateway.db, config.conversations)
+            add_response_routes(app, gateway, gateway.db)
 
     return install
 
 
 def serve_gateway(args: argparse.Namespace) -> None:
-    configure_logging()
+    workers, worker = getattr(args, "workers", 1), getattr(args, "worker_index", None)
+    configure_logging(None if worker is None else f"worker {worker}")
     config = FleetConfig.load(args.config)
     config.host = args.host or config.host
     config.port = args.port or config.port
     if not config.served_models():
         raise SystemExit(f"{args.config}: no model to serve: give models (or model_name and model_path)")
+    check_workers(config, workers)
+    if worker is None:
+        check_fleet_services(config.database_url, config.redis_url, args.config)  # one clear line, not a traceback
+    if workers > 1:
+        if config.database_url:  # migrated once, here, rather than by every worker at the same moment
+            asyncio.run(prepare_tenants(config.database_url))
+        log.info("gateway: %d worker processes on http://%s:%d", workers, config.host, config.port)
+        run_workers(args, workers, serve_gateway)
+        return
+    configure_tracing("tokenfleet-gateway")  # when OTEL_EXPORTER_OTLP_ENDPOINT names a collector
     timeout = config.routing.replica_timeout_s
 
     def upstream(url: str, name: str, kind: str) -> HttpUpstream:
@@ -266,7 +290,7 @@ def serve_gateway(args: argparse.Namespace) -> None:
         log.info("serving %s over %d configured replica(s)", name, len(pools.replicas))
     log.info("gateway on http://%s:%d", config.host, config.port)
     app = create_gateway_app(gateway, admin_routes(gateway, store, config), config.admin_key)
-    run_http(app, config.host, config.port, config.drain_timeout_s)
+    run_http(app, config.host, config.port, config.drain_timeout_s, reuse_port=worker is not None)
 
 
 def serve_embedded(args: argparse.Namespace) -> None:
@@ -276,6 +300,7 @@ def serve_embedded(args: argparse.Namespace) -> None:
     from tokenfleet.replica.server import ReplicaService
 
     configure_logging()
+    configure_tracing("tokenfleet")  # when OTEL_EXPORTER_OTLP_ENDPOINT names a collector
     if args.model is None:
         args.model = str(demo_checkpoint())
     engine_config: EngineConfig = engine_config_from_args(args)
@@ -330,7 +355,11 @@ def embedded_config(args: argparse.Namespace, name: str, model_path: str) -> Fle
     config = FleetConfig.load(args.config) if args.config else FleetConfig()
     config.model_name, config.model_path, config.host, config.port = name, model_path, args.host, args.port
     config.models = []  # embedded: the one model of the flags
-    config.database_url = resolve_database_url(args.database_url, args.config)  # usage (and keys with --auth)
+    data_dir = Path(args.data_dir).expanduser() if args.data_dir else default_data_dir(args.port)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    # usage (and keys with --auth)
+    config.database_url = resolve_database_url(args.database_url, args.config, args.data_dir, data_dir)
+    log.info("data dir: %s (--data-dir to choose); database: %s", data_dir, describe(config.database_url))
     config.admin_key = config.admin_key or os.environ.get("TOKENFLEET_ADMIN_KEY")
     config.safety_hook = args.safety_hook or config.safety_hook
     config.redis_url = None  # embedded: resume buffer and quotas in memory
@@ -339,12 +368,3 @@ def embedded_config(args: argparse.Namespace, name: str, model_path: str) -> Fle
     if args.disconnect_grace is not None:
         config.streams.disconnect_grace_s = args.disconnect_grace
     return config
-
-
-def demo_checkpoint() -> Path:
-    if not (DEMO_DIR / "config.json").is_file():
-        from tokenfleet.model.demo import write_demo_checkpoint
-
-        log.info("no --model given: writing the demo checkpoint to %s", DEMO_DIR)
-        write_demo_checkpoint(DEMO_DIR, size="small")
-    return DEMO_DIR

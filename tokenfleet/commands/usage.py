@@ -12,7 +12,7 @@ from datetime import date
 from sqlalchemy.exc import SQLAlchemyError
 
 from tokenfleet.billing.report import UsageFilter, check_groups, unit_costs, usage_report
-from tokenfleet.commands.database import resolve_database_url
+from tokenfleet.commands.database import add_data_dir_argument, resolve_database_url
 from tokenfleet.store.db import Database
 from tokenfleet.store.tenants import TenantStore
 from tokenfleet.table import print_table
@@ -40,9 +40,11 @@ def add_usage_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--database-url",
         default=None,
-        help="default: $TOKENFLEET_DATABASE_URL, else database_url in --config, else the embedded SQLite file",
+        help="default: the SQLite file in --data-dir, else $TOKENFLEET_DATABASE_URL, else database_url in --config, "
+        "else the default serve instance's SQLite file",
     )
     parser.add_argument("--config", default=None, help="fleet.yaml: its database_url and billing prices")
+    add_data_dir_argument(parser)
 
 
 def run_usage_command(args: argparse.Namespace) -> int:
@@ -50,7 +52,7 @@ def run_usage_command(args: argparse.Namespace) -> int:
 
     billing = FleetConfig.load(args.config).billing if args.config else BillingSettings()
     groups = check_groups([g.strip() for g in args.by.split(",") if g.strip()])
-    db = Database(resolve_database_url(args.database_url, args.config))
+    db = Database(resolve_database_url(args.database_url, args.config, args.data_dir))
     try:
         return asyncio.run(_run(args, db, billing, groups))
     except (OSError, SQLAlchemyError) as e:

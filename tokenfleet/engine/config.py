@@ -22,10 +22,14 @@ class EngineConfig:
     device: str = "auto"  # auto = cuda when present, else cpu
     max_model_len: int | None = None  # defaults to the model's context window
     block_size: int = 16
-    kv_cache_gib: float = 2.0  # KV cache budget on CPU
+    # KV cache budget on CPU; None: what max_num_seqs x max_model_len can use, within a share of the available
+    # memory (engine/memory.py)
+    kv_cache_gib: float | None = field(default=None, metadata={"help": "default: auto, sized to the job"})
     kv_cache_dtype: str = field(default="auto", metadata={"choices": KV_CACHE_DTYPES})
     gpu_memory_utilization: float = 0.9  # fraction of free GPU memory the KV cache may take
-    swap_space_gib: float = 1.0  # host memory for swapped-out KV blocks
+    # host memory for swapped-out KV blocks, allocated at the first swap-out; None: as large as the KV cache, within
+    # a share of the available memory
+    swap_space_gib: float | None = field(default=None, metadata={"help": "default: auto, as large as the KV cache"})
     swap_threshold_tokens: int = 512  # preempted sequences this long are swapped, shorter ones recomputed
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -71,7 +75,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_required: bool =
             base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
             default = None if f.default is MISSING else f.default
             parser.add_argument(
-                flag, type=base, default=default, choices=f.metadata.get("choices"), help=f"default: {default}"
+                flag,
+                type=base,
+                default=default,
+                choices=f.metadata.get("choices"),
+                help=f.metadata.get("help", f"default: {default}"),
             )
 
 

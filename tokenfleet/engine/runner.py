@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenfleet.engine.config import EngineConfig
+from tokenfleet.engine.memory import Job, MemoryPlan, available_memory, lazily_zeroed, plan_cpu_memory
 from tokenfleet.engine.request import Request
 from tokenfleet.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tokenfleet.model.attention import AttentionMetadata, DecodeGroup, PagedAttention, PrefillChunk
@@ -43,29 +44,90 @@ class ModelRunner:
         # before the cache takes the GPU's free memory: calibration needs activations
         self.kv_scales = self._calibrate_kv_scales(config) if is_fp8(self.kv_dtype) else None
         bytes_per_block = config.block_size * cfg.kv_bytes_per_token(self.kv_dtype)
-        self.num_blocks = self._device_blocks(config, bytes_per_block)
-        self.num_host_blocks = int(config.swap_space_gib * GIB // bytes_per_block)
+        plan = self._memory_plan(config, bytes_per_block)
+        self.num_blocks, self.num_host_blocks = plan.num_blocks, plan.num_host_blocks
         self.kv_cache_tokens = self.num_blocks * config.block_size
-        block_elems = config.block_size * cfg.head_dim  # layout inside a block: see model/attention.py
-        self.kv_cache = torch.empty(
-            (cfg.num_layers, 2, cfg.num_kv_heads, self.num_blocks, block_elems), dtype=self.kv_dtype, device=device
-        )
-        advise_huge_pages(self.kv_cache)
-        as_bytes(self.kv_cache).zero_()
-        self.host_cache = torch.zeros(
-            (cfg.num_layers, 2, cfg.num_kv_heads, self.num_host_blocks, block_elems),
-            dtype=self.kv_dtype,
-            pin_memory=device.type == "cuda",
-        )
+        # layout inside a block: see model/attention.py
+        self.block_shape = (cfg.num_layers, 2, cfg.num_kv_heads, config.block_size * cfg.head_dim)
+        self.kv_cache = self._device_cache()
+        self._host_cache: torch.Tensor | None = None  # the swap space, allocated at the first swap-out
+        kv_dtype = str(self.kv_dtype).removeprefix("torch.")
         log.info(
-            "KV cache: %d blocks of %d tokens = %d tokens, %s (%.2f GiB), swap space %d blocks",
+            "KV cache: %.2f GiB, %d blocks of %d tokens = %d tokens (%s): %s",
+            self.num_blocks * bytes_per_block / GIB,
             self.num_blocks,
             config.block_size,
             self.kv_cache_tokens,
-            str(self.kv_dtype).removeprefix("torch."),
-            self.num_blocks * bytes_per_block / GIB,
-            self.num_host_blocks,
+            kv_dtype,
+            plan.kv_reason,
         )
+        log.info(
+            "swap space: %.2f GiB of host memory, %d blocks (%s), allocated at the first swap-out",
+            self.num_host_blocks * bytes_per_block / GIB,
+            self.num_host_blocks,
+            plan.swap_reason,
+        )
+
+    def _memory_plan(self, config: EngineConfig, bytes_per_block: int) -> MemoryPlan:
+        """On CPU: sized to the job within the available memory (engine/memory.py). On a GPU: the KV cache takes
+        gpu_memory_utilization of the device, the swap space swap_space_gib (else 1 GiB) of host memory."""
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            num_blocks = self._check_blocks(free - (1 - config.gpu_memory_utilization) * total, bytes_per_block)
+            swap_gib = 1.0 if config.swap_space_gib is None else config.swap_space_gib
+            return MemoryPlan(
+                num_blocks,
+                int(swap_gib * GIB // bytes_per_block),
+                f"gpu_memory_utilization={config.gpu_memory_utilization:g}",
+                f"swap_space_gib={swap_gib:g}",
+            )
+        job = Job(
+            config.max_num_seqs,
+            config.max_model_len or self.model.config.max_model_len,
+            config.block_size,
+            bytes_per_block,
+            config.watermark,
+        )
+        plan = plan_cpu_memory(job, config.kv_cache_gib, config.swap_space_gib, available_memory())
+        requested = config.kv_cache_gib * GIB if config.kv_cache_gib is not None else plan.num_blocks * bytes_per_block
+        self._check_blocks(requested, bytes_per_block)
+        return plan
+
+    @staticmethod
+    def _check_blocks(budget: float, bytes_per_block: int) -> int:
+        num_blocks = int(budget // bytes_per_block)
+        if num_blocks < 2:
+            raise ValueError(
+                f"the KV cache budget ({budget / GIB:.3f} GiB) holds fewer than 2 blocks of "
+                f"{bytes_per_block} bytes; raise kv_cache_gib or gpu_memory_utilization"
+            )
+        return num_blocks
+
+    def _device_cache(self) -> torch.Tensor:
+        """[layers, 2, KV heads, blocks, block elements], zeroed. On CPU its pages are committed as blocks are first
+        written (huge pages where Linux gives them)."""
+        layers, kv, heads, block_elems = self.block_shape
+        shape = (layers, kv, heads, self.num_blocks, block_elems)
+        if self.device.type != "cpu":
+            cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
+            as_bytes(cache).zero_()
+            return cache
+        cache = lazily_zeroed(shape, self.kv_dtype)
+        advise_huge_pages(cache)
+        return cache
+
+    @property
+    def host_cache(self) -> torch.Tensor:
+        """The swap space: host memory for swapped-out blocks, allocated when first needed."""
+        if self._host_cache is None:
+            layers, kv, heads, block_elems = self.block_shape
+            shape = (layers, kv, heads, self.num_host_blocks, block_elems)
+            if self.device.type == "cuda":
+                self._host_cache = torch.zeros(shape, dtype=self.kv_dtype, pin_memory=True)
+            else:
+                self._host_cache = lazily_zeroed(shape, self.kv_dtype)
+            log.info("swap space: allocated for %d blocks", self.num_host_blocks)
+        return self._host_cache
 
     def use_decode_kernel(self, op: DecodeKernel | None) -> None:
         """Decode attention through a fused paged op (the CPU kernel), or the PyTorch gather path when None."""
@@ -88,20 +150,6 @@ class ModelRunner:
             attention.kv_scales = layer_scales
         log.info("KV cache scales (key, value) per layer: %s", ", ".join(f"({s.k:g}, {s.v:g})" for s in scales))
         return scales
-
-    def _device_blocks(self, config: EngineConfig, bytes_per_block: int) -> int:
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - config.gpu_memory_utilization) * total
-        else:
-            budget = config.kv_cache_gib * GIB
-        num_blocks = int(budget // bytes_per_block)
-        if num_blocks < 2:
-            raise ValueError(
-                f"the KV cache budget ({budget / GIB:.3f} GiB) holds fewer than 2 blocks of "
-                f"{bytes_per_block} bytes; raise kv_cache_gib or gpu_memory_utilization"
-            )
-        return num_blocks
 
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[Request]]:
         """Runs one step; returns logits [len(sampled), vocab] and the requests those rows belong to."""

@@ -1,4 +1,9 @@
-"""The C++ paged decode-attention kernel for CPUs, compiled on first use (cached by torch per machine).
+"""The C++ paged decode-attention kernel for CPUs, compiled once per environment on first use.
+
+The build lives in a folder of its own per environment (sys.prefix), Python, PyTorch version, CPU (it is compiled
+with -march=native) and kernel source, under $TOKENFLEET_KERNEL_CACHE (default ~/.cache/tokenfleet/kernels): two
+environments never share one, nor overwrite each other's, and a new PyTorch gets a fresh build. A file lock there
+makes processes that start together build it once; the others wait for it, saying so.
 
 Set TOKENFLEET_CPU_KERNELS=0 to use the pure-PyTorch path instead; if compiling fails (no compiler, no ninja)
 the engine logs why and falls back to that path too.
@@ -6,11 +11,17 @@ the engine logs why and falls back to that path too.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import fcntl
+import hashlib
 import logging
 import os
+import platform
 import sys
+import time
+from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
 
@@ -18,29 +29,101 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+LIBRARY_NAME = "tokenfleet_cpu_kernels"
+# fast-math lets GCC use vectorized expf in the softmax; the kernel only sees finite values
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
+EXPECTED_BUILD = "usually 10-30 s"
+DONE_MARK = "built"  # written after a build succeeded: the library next to it is complete
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
 
 
 @cache
-def paged_decode_attention_op():
-    """The compiled op, or None when disabled or unavailable."""
+def paged_decode_attention_op() -> Callable[..., torch.Tensor] | None:
+    """The compiled op (loaded once per process, built once per environment), or None when disabled or
+    unavailable."""
     if os.environ.get("TOKENFLEET_CPU_KERNELS", "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import load_inline
-
-        module = load_inline(
-            name="tokenfleet_cpu_kernels",
-            cpp_sources=[SOURCE.read_text()],  # the source binds its functions
-            # fast-math lets GCC use vectorized expf in the softmax; the kernel only sees finite values
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-            verbose=False,
-        )
+        load_kernel(kernel_dir())
     except Exception as e:  # a missing compiler must not stop the engine
         log.warning("CPU attention kernel unavailable, using the PyTorch path: %s", e)
         return None
-    return module.paged_decode_attention
+    return torch.ops.tokenfleet.paged_decode_attention
+
+
+def kernel_cache_root() -> Path:
+    configured = os.environ.get("TOKENFLEET_KERNEL_CACHE")
+    if configured:
+        return Path(configured).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokenfleet" / "kernels"
+
+
+def kernel_dir() -> Path:
+    """This environment's build folder: named by Python and PyTorch version, keyed by everything a build depends
+    on."""
+    parts = (sys.prefix, sys.version, torch.__version__, cpu_signature(), SOURCE.read_text(), *CFLAGS)
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return kernel_cache_root() / f"{python}-torch{torch.__version__}-{key}"
+
+
+def cpu_signature() -> str:
+    """What -march=native compiles for: the machine and its CPU's feature flags."""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("flags"):
+                return platform.machine() + " " + line.strip()
+    return platform.machine()
+
+
+def load_kernel(folder: Path) -> None:
+    """Loads the library built in `folder`, building it first (once, under the folder's lock) when missing."""
+    library = folder / f"{LIBRARY_NAME}.so"
+    if (folder / DONE_MARK).is_file():
+        torch.ops.load_library(str(library))
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    with build_lock(folder):
+        if (folder / DONE_MARK).is_file():  # built by the process we waited for
+            torch.ops.load_library(str(library))
+        else:
+            compile_kernel(folder)
+
+
+@contextlib.contextmanager
+def build_lock(folder: Path) -> Iterator[None]:
+    """An exclusive lock on the build folder; the kernel released it if its holder dies, unlike torch's own lock
+    file."""
+    with open(folder / "build.lock", "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process compiling the CPU attention kernel in %s", folder)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def compile_kernel(folder: Path) -> None:
+    """Compiles and loads the library (torch.ops.tokenfleet); call with the folder's lock held."""
+    from torch.utils.cpp_extension import load
+
+    log.info("compiling the CPU attention kernel for this environment (once; %s; cached in %s)", EXPECTED_BUILD, folder)
+    (folder / "lock").unlink(missing_ok=True)  # torch's own lock file, left behind by a build that was killed
+    started = time.monotonic()
+    load(
+        name=LIBRARY_NAME,
+        sources=[str(SOURCE)],
+        extra_cflags=list(CFLAGS),
+        build_directory=str(folder),
+        is_python_module=False,
+        verbose=False,
+    )
+    (folder / DONE_MARK).write_text(f"{torch.__version__}\n")
+    log.info("CPU attention kernel compiled in %.0f s", time.monotonic() - started)
 
 
 def advise_huge_pages(tensor: torch.Tensor) -> bool:

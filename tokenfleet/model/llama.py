@@ -80,7 +80,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         rope = RotaryEmbedding(config, max_positions or config.max_model_len)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # the weights come from the checkpoint: no random init (on the loader's meta tensors, nn.init.normal_ would
+        # import torch._dynamo, seconds of start-up)
+        embedding = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=embedding)
         self.layers = nn.ModuleList(DecoderLayer(config, rope) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from pathlib import Path
 
 import torch
@@ -14,6 +15,9 @@ from tokenfleet.model.config import ModelConfig
 from tokenfleet.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
+GIB = 1 << 30
+PROGRESS_FROM_BYTES = 1 << 30  # a checkpoint at least this large logs its progress while it loads
+PROGRESS_EVERY_S = 5.0
 
 _IGNORED = re.compile(r".*(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
 # HF name (without the "model." prefix) -> (our name, index of the slice inside a fused weight or None)
@@ -40,11 +44,24 @@ def load_model(
     device = torch.device(device)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions)
-    model = model.to_empty(device=device).to(dtype)
+    _materialize(model, dtype, device)
     model.rope.build(device)
     loaded = _load_weights(model, path)
     _check_complete(model, loaded)
     return model.eval()
+
+
+def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Uninitialized storage of `dtype` on `device` for every parameter the model was built with on the meta
+    device (the checkpoint fills them). Made with torch.empty: Module.to_empty's empty_like of meta tensors goes
+    through PyTorch's Python reference ops, whose first use imports sympy, seconds of start-up."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            storage = torch.empty(param.shape, dtype=dtype, device=device)
+            module.register_parameter(name, torch.nn.Parameter(storage, requires_grad=param.requires_grad))
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer.is_meta:
+                setattr(module, name, torch.empty(buffer.shape, dtype=buffer.dtype, device=device))
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -68,16 +85,53 @@ def weight_files(path: Path) -> list[Path]:
 def _load_weights(model: LlamaForCausalLM, path: Path) -> set[str]:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    for file in weight_files(path):
+    files = weight_files(path)
+    progress = LoadProgress(path, sum(f.stat().st_size for f in files), len(files))
+    for index, file in enumerate(files):
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    target = _place(model, params, name, f.get_tensor(name))
+                    tensor = f.get_tensor(name)
+                    target = _place(model, params, name, tensor)
                     if target:
                         loaded.add(target)
+                    progress.advance(tensor.numel() * tensor.element_size(), index)
         except (OSError, SafetensorError) as e:
             raise ValueError(f"cannot read weights file {file}: {e}") from e
+    progress.finish()
     return loaded
+
+
+class LoadProgress:
+    """Log lines while a large checkpoint loads: what it is, then every few seconds how far, then how long it
+    took. A small one loads silently."""
+
+    def __init__(self, path: Path, total_bytes: int, num_files: int) -> None:
+        self.total_bytes, self.num_files = total_bytes, num_files
+        self.done_bytes = 0
+        self.started = self.last_report = time.monotonic()
+        self.shown = total_bytes >= PROGRESS_FROM_BYTES
+        if self.shown:
+            log.info("loading %.1f GiB of weights from %d file(s) in %s", total_bytes / GIB, num_files, path)
+
+    def advance(self, num_bytes: int, file_index: int) -> None:
+        self.done_bytes += num_bytes
+        now = time.monotonic()
+        if self.shown and now - self.last_report >= PROGRESS_EVERY_S:
+            self.last_report = now
+            log.info(
+                "loading weights: %d%% (%.1f of %.1f GiB, file %d of %d), %.0f s",
+                min(100, 100 * self.done_bytes // max(1, self.total_bytes)),
+                self.done_bytes / GIB,
+                self.total_bytes / GIB,
+                file_index + 1,
+                self.num_files,
+                now - self.started,
+            )
+
+    def finish(self) -> None:
+        if self.shown:
+            log.info("loaded %.1f GiB of weights in %.1f s", self.done_bytes / GIB, time.monotonic() - self.started)
 
 
 def _place(model: LlamaForCausalLM, params: dict, name: str, tensor: torch.Tensor) -> str | None:

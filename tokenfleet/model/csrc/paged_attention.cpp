@@ -1,8 +1,13 @@
 // Decode attention straight over the paged KV cache on the CPU: each (sequence, KV head) reads its keys and
 // values once, through its block table, instead of gathering them into a padded copy first. The cache is in the
 // query's dtype or 8-bit floats (FP8 e4m3 / e5m2), dequantized one block at a time as it is read.
-#include <torch/extension.h>
+// Only the ATen headers it uses and torch/library.h (no torch/extension.h, no pybind11): it compiles in about a
+// third of the time, and the op is called through torch.ops.tokenfleet.
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -207,8 +212,9 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over a CPU KV cache",
-        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
-        py::arg("block_size"), py::arg("scale"), py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
+TORCH_LIBRARY(tokenfleet, m) {
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
+      "int block_size, float scale, float k_scale=1.0, float v_scale=1.0) -> Tensor",
+      &paged_decode_attention);
 }

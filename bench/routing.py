@@ -4,45 +4,53 @@ real replica processes behind a real gateway, against one replica holding the wh
 
 Run by hand, never from the test suite:
 
-    python bench/routing.py --conversations 16 --out ''                 # quick check (no report written)
+    python bench/routing.py --conversations 8 --concurrency 8 --out ''  # quick check (no report written)
     python bench/routing.py                                             # report: docs/benchmarks/routing.md + .json
     python bench/routing.py --rerender docs/benchmarks/routing.json --note "..."   # add notes, rewrite the markdown
 
-Runs (--runs, comma separated, in this order):
+Runs (--runs, comma separated, in this order), each at every --concurrency (comma separated, default 8,64):
   baseline            ONE replica with --replicas x --kv-cache-gib of KV cache (the fleet's combined cache) behind the
-                      gateway: the hit rate a single cache of that size gets on this workload, the reference.
+                      gateway: the hit rate one replica holding everything gets on this workload, the ideal.
   round_robin         --replicas replicas, each with --kv-cache-gib, gateway `routing.policy: round_robin`.
   least_loaded        the same, `routing.policy: least_loaded`.
-  cache_aware         the same, `routing.policy: cache_aware` (prefix index + bounded load, `load_bound`).
+  cache_aware         the same, `routing.policy: cache_aware` (prefix index, conversation homes and the load bound:
+                      `load_bound`, `load_slack`).
   cache_aware_noaff   cache_aware without the `x-conversation-id` header (the router has only the prompt to go on).
-Every run starts its replicas and its gateway fresh (cold caches, empty prefix index), warms each replica with two
-short requests of its own (unrelated text: kernels, tokenizer), then one short request through the gateway, then
-runs the workload.  Replicas and gateway are stopped (SIGTERM to their process group, SIGKILL after 10 s) before the
-next run.  Processes: `python -m tokenfleet replica --model DIR --port P --kv-cache-gib X --max-model-len 2048` and
-`python -m tokenfleet gateway --config fleet.yaml` (SQLite tenants, an in-memory quota and resume buffer, one tier
-"bench" without limits, the overload ladder's TTFT target set to 1 h so it never sheds or queues: this measures
-routing, not admission control), OMP/MKL threads = --threads per process.
+Default: all but cache_aware_noaff.  Every run starts its replicas and its gateway fresh (cold caches, empty prefix
+index), warms each replica with two short requests of its own (unrelated text: kernels, tokenizer), then one short
+request through the gateway, then runs the workload.  Replicas and gateway are stopped (SIGTERM to their process
+group, SIGKILL after 10 s) before the next run.  Processes: `python -m tokenfleet replica --model DIR --port P
+--kv-cache-gib X --max-model-len 2048` and `python -m tokenfleet gateway --config fleet.yaml` (SQLite tenants, an
+in-memory quota and resume buffer, one tier "bench" without limits, the overload ladder's TTFT target set to 1 h so it
+never sheds or queues: this measures routing, not admission control), OMP/MKL threads = --threads per process.
 
-Workload (seeded, identical for every run): --system-prompts long system prompts (random words from a fixed list,
---system-tokens tokens each); --conversations conversations, each with one of them (chosen at random), and a number
-of turns uniform in [--turns-min, --turns-max]; a user message of a length uniform in [--user-min, --user-max] tokens
-per turn.  Each turn sends the whole history: system prompt, every earlier user message and the assistant's replies
-AS THE SERVER RETURNED THEM, then the new user message; max_tokens = --max-tokens with ignore_eos, temperature 0,
-streaming with stream_options.include_usage, header `x-conversation-id: conv-N` (not in cache_aware_noaff).
---concurrency conversations are in flight at once (a worker takes the next conversation when one ends; a
-conversation's turns are sequential, with no think time).
+Workload (seeded, identical for every run), --trace:
+  mixed (default; issue 26's shape)  --conversations multi-turn conversations, each on one of --system-prompts shared
+        system prompts (--system-tokens MIN,MAX tokens each) chosen with uneven popularity (prompt i with weight
+        1/(i+1)); a --document-share of them open with one of --documents shared documents (--document-tokens
+        MIN,MAX) before their first question; [--turns-min, --turns-max] turns of [--user-min, --user-max] tokens
+        each; plus one-off prompts (--one-off-share of all sessions: one turn, no system prompt, --one-off-tokens
+        MIN,MAX tokens, no x-conversation-id); max_tokens uniform in --max-tokens MIN,MAX per request.
+  chat  the earlier uniform trace: every conversation on one of --system-prompts prompts chosen uniformly, no
+        documents, no one-offs, --system-tokens MAX tokens each, max_tokens MAX for every request.
+Each turn sends the whole history: system prompt, every earlier user message and the assistant's replies AS THE
+SERVER RETURNED THEM, then the new user message; ignore_eos, temperature 0, streaming with
+stream_options.include_usage, header `x-conversation-id: conv-N` for conversations (not in cache_aware_noaff).
+--concurrency sessions are in flight at once (a worker takes the next session when one ends; a conversation's turns
+are sequential, with no think time), so at most that many requests are.
 
 Metrics, per run:
   hit rate      sum of usage.prompt_tokens_details.cached_tokens / sum of usage.prompt_tokens over every request of
                 the workload (from the responses); also the replicas' own vllm:prefix_cache_hits / queries.
-  % of baseline hit rate / baseline hit rate (target: >= 90 %).
-  TTFT          send -> first chunk with non-empty delta.content, p50 / p99 over every request (ms).
+  % of ideal    hit rate / the baseline's at the same concurrency (target: >= 95 %).
+  TTFT          send -> first chunk with non-empty delta.content, p50 / p99 over every request (ms); target for
+                cache_aware: p50 below round_robin's.
   load          per replica, deltas of /metrics over the workload: requests served (vllm:request_success_total),
                 prompt tokens computed (vllm:prompt_tokens_total - vllm:prefix_cache_hits_total: the prefill work
                 the cache did not save), and "busy" = /load's running + waiting sampled every --sample-s (time
                 integral).  Imbalance = max / mean over the replicas (target for requests: <= 1.25).
   routes        the gateway's `route ... reason=... skipped=...` log lines of the workload: why each replica was
-                chosen (prefix / affinity / ring / least_loaded / round_robin) and how often the load bound passed
+                chosen (affinity / prefix / new / least_loaded / round_robin) and how often the load bound passed
                 over a preferred replica.
   other CPU     CPU used by processes outside this benchmark's tree during the workload, share of all cores
                 (bench/_cpuprobe.py; above 10 %: contended, latencies unreliable).
@@ -90,6 +98,9 @@ from _common import (  # noqa: E402  (stdlib only)
 from _cpuprobe import CpuProbe  # noqa: E402  (stdlib only)
 
 ALL_RUNS = ["baseline", "round_robin", "least_loaded", "cache_aware", "cache_aware_noaff"]
+DEFAULT_RUNS = ALL_RUNS[:4]
+TRACES = ("mixed", "chat")
+KV_CACHE_GIB = {"mixed": 0.0625, "chat": 0.0125}  # per replica, by trace: see --kv-cache-gib
 POLICY = {
     "baseline": "cache_aware",
     "round_robin": "round_robin",
@@ -106,7 +117,7 @@ LABELS = {
 }
 SERVED = "demo"
 TIER = "bench"
-HIT_TARGET, IMBALANCE_TARGET = 0.90, 1.25
+HIT_TARGET, IMBALANCE_TARGET = 0.95, 1.25
 
 
 # ----------------------------------------------------------------------------------------------------------------- #
@@ -148,25 +159,77 @@ def checkpoint_info(model_dir: Path) -> dict:
 
 
 def make_workload(args, model_dir: Path) -> dict:
+    """Sessions in the order workers take them: {"id" (None for a one-off), "system" and "document" (indexes or
+    None), "users" (one message per turn), "max_tokens" (one per turn)}."""
     from tokenizers import Tokenizer  # light (no torch)
 
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    rng = random.Random(f"routing/{args.seed}")  # str seeds are deterministic
+    rng = random.Random(f"routing/{args.trace}/{args.seed}")  # str seeds are deterministic
+    make = mixed_sessions if args.trace == "mixed" else chat_sessions
+    systems, documents, sessions = make(args, rng, lambda n: prompt_text(rng, tok, n))
+    return {"seed": args.seed, "trace": args.trace, "systems": systems, "documents": documents, "sessions": sessions}
+
+
+def _range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(",")
+    return int(low), int(high or low)
+
+
+def mixed_sessions(args, rng: random.Random, text) -> tuple[list[str], list[str], list[dict]]:
+    """Issue 26's trace: conversations over shared system prompts of uneven popularity, some opening with a shared
+    document, and one-off prompts among them."""
     systems = [
-        f"You are assistant number {i}. " + prompt_text(rng, tok, args.system_tokens)
+        f"You are assistant number {i}. " + text(rng.randint(*_range(args.system_tokens)))
         for i in range(args.system_prompts)
     ]
-    conversations = []
+    documents = [f"Document {i}:\n" + text(rng.randint(*_range(args.document_tokens))) for i in range(args.documents)]
+    popularity = [1 / (i + 1) for i in range(args.system_prompts)]
+    low, high = _range(args.max_tokens)
+    sessions = []
     for c in range(args.conversations):
         turns = rng.randint(args.turns_min, args.turns_max)
-        conversations.append(
+        sessions.append(
             {
+                "name": f"conv-{c}",
                 "id": f"conv-{c}",
-                "system": rng.randrange(args.system_prompts),
-                "users": [prompt_text(rng, tok, rng.randint(args.user_min, args.user_max)) for _ in range(turns)],
+                "system": rng.choices(range(args.system_prompts), popularity)[0],
+                "document": _document(args, rng),
+                "users": [text(rng.randint(args.user_min, args.user_max)) for _ in range(turns)],
+                "max_tokens": [rng.randint(low, high) for _ in range(turns)],
             }
         )
-    return {"seed": args.seed, "systems": systems, "conversations": conversations}
+    one_offs = round(args.conversations * args.one_off_share / (1 - args.one_off_share))
+    for k in range(one_offs):
+        prompt = text(rng.randint(*_range(args.one_off_tokens)))
+        one = {"name": f"one-off-{k}", "id": None, "system": None, "document": None, "users": [prompt]}
+        sessions.append(one | {"max_tokens": [rng.randint(low, high)]})
+    rng.shuffle(sessions)
+    return systems, documents, sessions
+
+
+def _document(args, rng: random.Random) -> int | None:
+    """The shared document a conversation opens with, if it opens with one."""
+    return rng.randrange(args.documents) if args.documents and rng.random() < args.document_share else None
+
+
+def chat_sessions(args, rng: random.Random, text) -> tuple[list[str], list[str], list[dict]]:
+    """The earlier uniform trace: every conversation on one of the system prompts, chosen uniformly."""
+    system_tokens, max_tokens = _range(args.system_tokens)[1], _range(args.max_tokens)[1]
+    systems = [f"You are assistant number {i}. " + text(system_tokens) for i in range(args.system_prompts)]
+    sessions = []
+    for c in range(args.conversations):
+        turns = rng.randint(args.turns_min, args.turns_max)
+        sessions.append(
+            {
+                "name": f"conv-{c}",
+                "id": f"conv-{c}",
+                "system": rng.randrange(args.system_prompts),
+                "document": None,
+                "users": [text(rng.randint(args.user_min, args.user_max)) for _ in range(turns)],
+                "max_tokens": [max_tokens] * turns,
+            }
+        )
+    return systems, [], sessions
 
 
 # ----------------------------------------------------------------------------------------------------------------- #
@@ -270,25 +333,39 @@ async def stream_turn(client, url: str, headers: dict, body: dict, timeout: floa
     return rec
 
 
-async def run_workload(httpx, base: str, key: str, wl: dict, args, affinity: bool) -> tuple[list[dict], float]:
+def first_messages(wl: dict, session: dict) -> list[dict]:
+    """The session's system prompt, if it has one."""
+    return [] if session["system"] is None else [{"role": "system", "content": wl["systems"][session["system"]]}]
+
+
+def user_message(wl: dict, session: dict, turn: int) -> dict:
+    """The turn's user message; a conversation with a document opens with it."""
+    document = session["document"]
+    opening = f"{wl['documents'][document]}\n\n" if document is not None and turn == 0 else ""
+    return {"role": "user", "content": opening + session["users"][turn]}
+
+
+async def run_workload(
+    httpx, base: str, key: str, wl: dict, args, affinity: bool, concurrency: int
+) -> tuple[list[dict], float]:
     url = f"{base}/v1/chat/completions"
     queue: asyncio.Queue = asyncio.Queue()
-    for conv in wl["conversations"]:
-        queue.put_nowait(conv)
+    for session in wl["sessions"]:
+        queue.put_nowait(session)
     records: list[dict] = []
     t0 = time.perf_counter()
 
-    async def conversation(client, conv: dict) -> None:
-        messages = [{"role": "system", "content": wl["systems"][conv["system"]]}]
+    async def conversation(client, session: dict) -> None:
+        messages = first_messages(wl, session)
         headers = {"Authorization": f"Bearer {key}"}
-        if affinity:
-            headers["x-conversation-id"] = conv["id"]
-        for turn, user in enumerate(conv["users"]):
-            messages.append({"role": "user", "content": user})
+        if affinity and session["id"] is not None:
+            headers["x-conversation-id"] = session["id"]
+        for turn, max_tokens in enumerate(session["max_tokens"]):
+            messages.append(user_message(wl, session, turn))
             body = {
                 "model": SERVED,
                 "messages": messages,
-                "max_tokens": args.max_tokens,
+                "max_tokens": max_tokens,
                 "temperature": 0,
                 "ignore_eos": True,
                 "stream": True,
@@ -296,7 +373,12 @@ async def run_workload(httpx, base: str, key: str, wl: dict, args, affinity: boo
             }
             rec = await stream_turn(client, url, headers, body, args.request_timeout)
             rec.update(
-                conversation=conv["id"], turn=turn, system=conv["system"], send=rec["send"] - t0, end=rec["end"] - t0
+                conversation=session["name"],
+                turn=turn,
+                system=session["system"],
+                document=session["document"],
+                send=rec["send"] - t0,
+                end=rec["end"] - t0,
             )
             records.append(rec)
             if rec["error"]:
@@ -306,14 +388,14 @@ async def run_workload(httpx, base: str, key: str, wl: dict, args, affinity: boo
     async def worker(client) -> None:
         while True:
             try:
-                conv = queue.get_nowait()
+                session = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
-            await conversation(client, conv)
+            await conversation(client, session)
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout, connect=30.0), limits=limits) as client:
-        await asyncio.gather(*(worker(client) for _ in range(args.concurrency)))
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
     return records, time.perf_counter() - t0
 
 
@@ -375,7 +457,7 @@ def fleet_file(path: Path, model_dir: Path, urls: list[str], port: int, policy: 
         "admin_key": admin,
         "database_url": f"sqlite:///{path.with_suffix('.db')}",
         "models": [{"name": SERVED, "path": str(model_dir), "pools": [{"name": "local", "replicas": urls}]}],
-        "routing": {"policy": policy, "load_bound": args.load_bound},
+        "routing": {"policy": policy, "load_bound": args.load_bound, "load_slack": args.load_slack},
         "tiers": {TIER: {"priority": 0, "weight": 1}},
         "overload": {"ttft_target_s": 3600},
     }
@@ -404,18 +486,21 @@ def imbalance(values: list[float]) -> float | None:
     return max(values) / mean if mean > 0 else None
 
 
-def run_one(name: str, args, model_dir: Path, wl: dict, run_dir: Path) -> dict:
+def run_one(name: str, concurrency: int, args, model_dir: Path, wl: dict, run_dir: Path) -> dict:
     import httpx
 
     n = 1 if name == "baseline" else args.replicas
     kv = args.kv_cache_gib * (args.replicas if name == "baseline" else 1)
     policy, affinity = POLICY[name], name != "cache_aware_noaff"
-    logs = run_dir / name
+    logs = run_dir / f"{name}-c{concurrency}"
     logs.mkdir(parents=True, exist_ok=True)
     env = thread_env(args.threads)
     ports = [free_port() for _ in range(n)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    print(f"\n== {LABELS[name]}: {n} replica(s) x {kv:.4g} GiB KV, policy {policy}, affinity header {affinity}")
+    print(
+        f"\n== {LABELS[name]}, {concurrency} in flight: {n} replica(s) x {kv:.4g} GiB KV, policy {policy}, "
+        f"affinity header {affinity}"
+    )
     t_start = time.perf_counter()
     procs: list[subprocess.Popen] = []
     try:
@@ -489,7 +574,7 @@ def run_one(name: str, args, model_dir: Path, wl: dict, run_dir: Path) -> dict:
             stop_event = asyncio.Event()
             sampler = asyncio.create_task(sample_loads(httpx, urls, args.sample_s, stop_event))
             try:
-                return await run_workload(httpx, base, key, wl, args, affinity)
+                return await run_workload(httpx, base, key, wl, args, affinity, concurrency)
             finally:
                 stop_event.set()
                 loads_out.update(await sampler)
@@ -524,16 +609,18 @@ def run_one(name: str, args, model_dir: Path, wl: dict, run_dir: Path) -> dict:
     row = {
         "name": name,
         "label": LABELS[name],
+        "concurrency": concurrency,
         "replicas": n,
         "kv_cache_gib_per_replica": kv,
         "num_blocks_per_replica": blocks,
         "policy": policy,
         "affinity_header": affinity,
         "load_bound": args.load_bound if policy == "cache_aware" else None,
+        "load_slack": args.load_slack if policy == "cache_aware" else None,
         "requests": len(records),
         "ok": len(ok),
         "errors": sorted({r["error"] for r in records if r["error"]})[:5],
-        "expected_requests": sum(len(c["users"]) for c in wl["conversations"]),
+        "expected_requests": sum(len(c["users"]) for c in wl["sessions"]),
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "hit_rate": cached / prompt if prompt else None,
@@ -595,123 +682,28 @@ def machine_info(args) -> dict:
 def write_report(path: Path, rep: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".json").write_text(json.dumps(rep, indent=1))
-    m, w, c = rep["machine"], rep["workload"], rep["checkpoint"]
     rows = rep["runs"]
-    base = next((r for r in rows if r["name"] == "baseline"), None)
-    base_hr = base["hit_rate"] if base else None
-    info = c["info"]
-    kv_tok = lambda gib: gib * 2**30 / info["kv_bytes_per_token"]  # noqa: E731
-    L = [
-        f"# Fleet routing — {rep['date']}",
-        "",
-        f"Command: `{rep['command']}`",
-        "",
-        f"Machine: {m['cores']} cores ({m['cpu']}), {m['memory']} RAM, {m['threads_per_process']} torch thread(s) "
-        f"per process; Python {m['python']}; versions: "
-        + ", ".join(f"{k} {v}" for k, v in rep["versions"].items())
-        + ". Every replica, the gateway and the "
-        "client share these cores, and other work (other engineers' test runs) may have been running on the "
-        'machine at the same time: see the "other CPU" column.',
-        "",
-        f"Checkpoint: `{c['dir']}` — {c['source']}; hidden {info['hidden_size']}, layers "
-        f"{info['num_hidden_layers']}, heads {info['num_attention_heads']}/{info['num_key_value_heads']} kv, "
-        f"{info['torch_dtype']}: {info['kv_bytes_per_token']} bytes of KV cache per token.",
-        "",
-        f"Fleet: {w['replicas']} replicas (`python -m tokenfleet replica`, one process each) with "
-        f"`--kv-cache-gib {w['kv_cache_gib']:g}` each (~{kv_tok(w['kv_cache_gib']):.0f} tokens, "
-        f"{_blocks(rows, 'round_robin')} blocks), one `tokenfleet gateway` per run; the baseline is ONE replica with "
-        f"{w['replicas']}x that ({w['replicas'] * w['kv_cache_gib']:g} GiB, ~{kv_tok(w['replicas'] * w['kv_cache_gib']):.0f}"
-        f" tokens, {_blocks(rows, 'baseline')} blocks) behind the same gateway. Replicas and gateway are restarted "
-        f"for every run (cold caches, empty prefix index). `load_bound` {w['load_bound']:g} (cache_aware).",
-        "",
-        f"Workload (seed {w['seed']}, the same for every run): {w['conversations']} conversations, "
-        f"{w['system_prompts']} shared system prompts of ~{w['system_tokens']} tokens, {w['turns_min']}–"
-        f"{w['turns_max']} turns each ({w['total_requests']} requests), user messages {w['user_min']}–{w['user_max']}"
-        f" tokens, replies max_tokens {w['max_tokens']} with ignore_eos; each turn sends the full history "
-        f"(with the replies the server returned); {w['concurrency']} conversations in flight; streaming chat "
-        f"completions with `x-conversation-id` unless the run says otherwise.",
-        "",
-        "Hit rate = Σ usage.prompt_tokens_details.cached_tokens / Σ usage.prompt_tokens over all requests (the "
-        "replicas' own vllm:prefix_cache_hits/queries in brackets). TTFT = send → first non-empty content chunk, "
-        "through the gateway. Imbalance = max/mean over replicas of requests served (vllm:request_success), of "
-        "prompt tokens computed (prompt − cache hits: the prefill work) and of time-integrated running+waiting "
-        "(/load sampled every "
-        f"{w['sample_s']:g} s). Targets: hit rate ≥ {100 * HIT_TARGET:.0f} % of the baseline's, max/mean (requests) "
-        f"≤ {IMBALANCE_TARGET}.",
-        "",
-        "## Results",
-        "",
-        "| run | ok | hit rate | % of baseline | TTFT p50 ms | TTFT p99 ms | max/mean requests | max/mean prefill "
-        "computed | max/mean busy | req/s | other CPU | targets |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for r in rows:
-        hr = r["hit_rate"]
-        rel = hr / base_hr if (hr is not None and base_hr) else None
-        imb = r["imbalance"]
-        if r["name"] == "baseline":
-            verdict = "reference"
-        else:
-            hit_ok = rel is not None and rel >= HIT_TARGET
-            load_ok = imb["requests"] is not None and imb["requests"] <= IMBALANCE_TARGET
-            verdict = f"hit {'✅' if hit_ok else '❌'} load {'✅' if load_ok else '❌'}"
-        oc = r["others_cpu"]
-        L.append(
-            f"| {r['label']} | {r['ok']}/{r['expected_requests']} | {_p(hr)} ({_p(r['replica_hit_rate'])}) | "
-            f"{'-' if rel is None else f'{100 * rel:.1f} %'} | {_f(r['ttft_ms']['p50'])} | "
-            f"{_f(r['ttft_ms']['p99'])} | {_f(imb['requests'], 2)} | {_f(imb['computed_prompt_tokens'], 2)} | "
-            f"{_f(imb['busy'], 2)} | {_f(r['requests_per_s'], 2)} | "
-            f"{'-' if oc is None else f'{100 * oc:.0f} %'}{' ⚠' if (oc or 0) > CONTENDED else ''} | {verdict} |"
-        )
-    L += [
-        "",
-        "## Per replica",
-        "",
-        "| run | requests | prompt tokens | cached | computed | busy (request·s) | peak running+waiting | "
-        "preemptions |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        p = r["per_replica"]
-        fmt = lambda xs: " / ".join("-" if x is None else f"{x:.0f}" for x in xs)  # noqa: E731
-        L.append(
-            f"| {r['label']} | {fmt(p['requests'])} | {fmt(p['prompt_tokens'])} | {fmt(p['cached_tokens'])} | "
-            f"{fmt(p['computed_prompt_tokens'])} | {fmt(p['busy_request_seconds'])} | "
-            f"{fmt(p['peak_running_waiting'])} | {fmt(p['preemptions'])} |"
-        )
-    L += [
-        "",
-        "## Routing decisions (gateway log)",
-        "",
-        "| run | reasons | requests where the load bound passed over a preferred replica | TTFT p50/p99 ms, turns ≥ 2 |"
-        " wall s |",
-        "|---|---|---:|---:|---:|",
-    ]
-    for r in rows:
-        reasons = ", ".join(f"{k} {v}" for k, v in sorted(r["routes"]["reasons"].items())) or "-"
-        lt = r["ttft_later_turns_ms"]
-        L.append(
-            f"| {r['label']} | {reasons} | {r['routes']['requests_with_skips']} | {_f(lt['p50'])} / "
-            f"{_f(lt['p99'])} | {r['wall_s']:.0f} |"
-        )
+    L = _report_head(rep) + ["## Results", ""] + _results_table(rows)
+    L += ["", "## Per replica", ""] + _per_replica_table(rows)
+    L += ["", "## Routing decisions (gateway log)", ""] + _routes_table(rows)
     if any("loss_vs_baseline" in r for r in rows):
         L += [
             "",
-            "## Hits missing against the baseline (same conversation and turn)",
+            "## Hits missing against the ideal (same concurrency, conversation and turn)",
             "",
             "Cached tokens the baseline got and the run did not, as a share of all prompt tokens: on first turns (a "
-            "replica prefilling a system prompt it had not seen yet) and on later turns (the conversation's history "
-            "was not on the replica its turn went to).",
+            "replica prefilling a system prompt or document it had not seen yet) and on later turns (the "
+            "conversation's history was not on the replica its turn went to).",
             "",
-            "| run | first turns | later turns | later turns more than one block short |",
-            "|---|---:|---:|---:|",
+            "| in flight | run | first turns | later turns | later turns more than one block short |",
+            "|---:|---|---:|---:|---:|",
         ]
         for r in rows:
             x = r.get("loss_vs_baseline")
             if x:
                 t = x["baseline_prompt_tokens"] or 1
                 L.append(
-                    f"| {r['label']} | {100 * x['first_turn_tokens'] / t:.1f} % | "
+                    f"| {_concurrency(r, rep)} | {r['label']} | {100 * x['first_turn_tokens'] / t:.1f} % | "
                     f"{100 * x['later_turn_tokens'] / t:.1f} % | {x['later_turns_short']} |"
                 )
     errors = [(r["label"], e) for r in rows for e in r["errors"]]
@@ -729,26 +721,165 @@ def write_report(path: Path, rep: dict) -> None:
     print(f"wrote {path} and {path.with_suffix('.json')}")
 
 
-def add_losses(rep: dict) -> None:
-    """Where each run's cache hits fell short of the baseline's, request by request (same conversation and turn):
-    on first turns (a replica prefilling a system prompt it had not seen) and on later turns (a conversation's
-    history not where its turn went). Read from the runs' per-request records in the run directory."""
-    rows = rep["runs"]
-    base = next((r for r in rows if r["name"] == "baseline"), None)
-    if base is None:
-        return
-    try:
-        ref = {(x["conversation"], x["turn"]): x for x in json.loads((Path(base["logs"]) / "records.json").read_text())}
-    except OSError:
-        return
-    total = sum(x["prompt_tokens"] or 0 for x in ref.values())
+def _report_head(rep: dict) -> list[str]:
+    m, w, c = rep["machine"], rep["workload"], rep["checkpoint"]
+    rows, info = rep["runs"], c["info"]
+    kv_tok = lambda gib: gib * 2**30 / info["kv_bytes_per_token"]  # noqa: E731
+    slack = f", `load_slack` {w['load_slack']:g}" if "load_slack" in w else ""
+    return [
+        f"# Fleet routing — {rep['date']}",
+        "",
+        f"Command: `{rep['command']}`",
+        "",
+        f"Machine: {m['cores']} cores ({m['cpu']}), {m['memory']} RAM, {m['threads_per_process']} torch thread(s) "
+        f"per process; Python {m['python']}; versions: "
+        + ", ".join(f"{k} {v}" for k, v in rep["versions"].items())
+        + ". Every replica, the gateway and the "
+        "client share these cores, and other work (other engineers' test runs) may have been running on the "
+        'machine at the same time: see the "other CPU" column.',
+        "",
+        f"Checkpoint: `{c['dir']}` — {c['source']}; hidden {info['hidden_size']}, layers "
+        f"{info['num_hidden_layers']}, heads {info['num_attention_heads']}/{info['num_key_value_heads']} kv, "
+        f"{info['torch_dtype']}: {info['kv_bytes_per_token']} bytes of KV cache per token.",
+        "",
+        f"Fleet: {w['replicas']} replicas (`python -m tokenfleet replica`, one process each) with "
+        f"`--kv-cache-gib {w['kv_cache_gib']:g}` each (~{kv_tok(w['kv_cache_gib']):.0f} tokens, "
+        f"{_blocks(rows, 'round_robin')} blocks), one `tokenfleet gateway` per run; the baseline (the ideal) is ONE "
+        f"replica with {w['replicas']}x that ({w['replicas'] * w['kv_cache_gib']:g} GiB, "
+        f"~{kv_tok(w['replicas'] * w['kv_cache_gib']):.0f} tokens, {_blocks(rows, 'baseline')} blocks) behind the "
+        "same gateway. Replicas and gateway are restarted for every run (cold caches, empty prefix index). "
+        f"`load_bound` {w['load_bound']:g}{slack} (cache_aware).",
+        "",
+        _workload_line(w),
+        "",
+        "Hit rate = Σ usage.prompt_tokens_details.cached_tokens / Σ usage.prompt_tokens over all requests (the "
+        "replicas' own vllm:prefix_cache_hits/queries in brackets); % of ideal = that / the baseline's at the same "
+        "concurrency. TTFT = send → first non-empty content chunk, through the gateway. Imbalance = max/mean over "
+        "replicas of requests served (vllm:request_success), of prompt tokens computed (prompt − cache hits: the "
+        "prefill work) and of time-integrated running+waiting (/load sampled every "
+        f"{w['sample_s']:g} s). Targets: hit rate ≥ {100 * HIT_TARGET:.0f} % of the ideal, max/mean (requests) "
+        f"≤ {IMBALANCE_TARGET}, and for cache_aware a TTFT p50 below round_robin's.",
+        "",
+    ]
+
+
+def _workload_line(w: dict) -> str:
+    flight = ", ".join(str(c) for c in w["concurrency"]) if isinstance(w["concurrency"], list) else w["concurrency"]
+    common = (
+        f"each turn sends the full history (with the replies the server returned); {flight} sessions in flight "
+        "(one request each at a time); streaming chat completions with `x-conversation-id` for conversations unless "
+        "the run says otherwise."
+    )
+    if w.get("trace", "chat") == "chat":
+        return (
+            f"Workload (`--trace chat`, seed {w['seed']}, the same for every run): {w['conversations']} conversations, "
+            f"{w['system_prompts']} shared system prompts of ~{w['system_tokens']} tokens chosen uniformly, "
+            f"{w['turns_min']}–{w['turns_max']} turns each ({w['total_requests']} requests), user messages "
+            f"{w['user_min']}–{w['user_max']} tokens, replies max_tokens {w['max_tokens']} with ignore_eos; " + common
+        )
+    return (
+        f"Workload (`--trace mixed`, issue 26's shape; seed {w['seed']}, the same for every run): "
+        f"{w['conversations']} conversations of {w['turns_min']}–{w['turns_max']} turns over {w['system_prompts']} "
+        f"shared system prompts of {w['system_tokens'].replace(',', '–')} tokens with uneven popularity (prompt i "
+        f"chosen with weight 1/(i+1)), {100 * w['document_share']:.0f} % of them opening with one of "
+        f"{w['documents']} shared documents of {w['document_tokens'].replace(',', '–')} tokens; user messages "
+        f"{w['user_min']}–{w['user_max']} tokens; plus {w['one_offs']} one-off prompts "
+        f"({100 * w['one_off_share']:.0f} % of the sessions: one turn of {w['one_off_tokens'].replace(',', '–')} "
+        f"tokens, no system prompt, no conversation id); {w['total_requests']} requests, max_tokens "
+        f"{w['max_tokens'].replace(',', '–')} with ignore_eos; " + common
+    )
+
+
+def _concurrency(row: dict, rep: dict | None = None) -> int:
+    return row.get("concurrency") or (rep or {}).get("workload", {}).get("concurrency")
+
+
+def _baseline_for(rows: list[dict], row: dict) -> dict | None:
+    return next((r for r in rows if r["name"] == "baseline" and _concurrency(r) == _concurrency(row)), None)
+
+
+def _verdict(rows: list[dict], r: dict, rel: float | None) -> str:
+    if r["name"] == "baseline":
+        return "reference"
+    hit_ok = rel is not None and rel >= HIT_TARGET
+    imb = r["imbalance"]["requests"]
+    verdict = f"hit {'✅' if hit_ok else '❌'} load {'✅' if imb is not None and imb <= IMBALANCE_TARGET else '❌'}"
+    rr = next((x for x in rows if x["name"] == "round_robin" and _concurrency(x) == _concurrency(r)), None)
+    if r["policy"] == "cache_aware" and rr is not None and None not in (r["ttft_ms"]["p50"], rr["ttft_ms"]["p50"]):
+        verdict += f" TTFT {'✅' if r['ttft_ms']['p50'] < rr['ttft_ms']['p50'] else '❌'}"
+    return verdict
+
+
+def _results_table(rows: list[dict]) -> list[str]:
+    L = [
+        "| in flight | run | ok | hit rate | % of ideal | TTFT p50 ms | TTFT p99 ms | max/mean requests | max/mean "
+        "prefill computed | max/mean busy | req/s | other CPU | targets |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in rows:
-        if r["name"] == "baseline" or "loss_vs_baseline" in r:
+        hr, base = r["hit_rate"], _baseline_for(rows, r)
+        rel = hr / base["hit_rate"] if (hr is not None and base and base["hit_rate"]) else None
+        imb, oc = r["imbalance"], r["others_cpu"]
+        L.append(
+            f"| {_concurrency(r)} | {r['label']} | {r['ok']}/{r['expected_requests']} | {_p(hr)} "
+            f"({_p(r['replica_hit_rate'])}) | {'-' if rel is None else f'{100 * rel:.1f} %'} | "
+            f"{_f(r['ttft_ms']['p50'])} | {_f(r['ttft_ms']['p99'])} | {_f(imb['requests'], 2)} | "
+            f"{_f(imb['computed_prompt_tokens'], 2)} | {_f(imb['busy'], 2)} | {_f(r['requests_per_s'], 2)} | "
+            f"{'-' if oc is None else f'{100 * oc:.0f} %'}{' ⚠' if (oc or 0) > CONTENDED else ''} | "
+            f"{_verdict(rows, r, rel)} |"
+        )
+    return L
+
+
+def _per_replica_table(rows: list[dict]) -> list[str]:
+    L = [
+        "| in flight | run | requests | prompt tokens | cached | computed | busy (request·s) | peak running+waiting | "
+        "preemptions |",
+        "|---:|---|---|---|---|---|---|---|---|",
+    ]
+    fmt = lambda xs: " / ".join("-" if x is None else f"{x:.0f}" for x in xs)  # noqa: E731
+    for r in rows:
+        p = r["per_replica"]
+        L.append(
+            f"| {_concurrency(r)} | {r['label']} | {fmt(p['requests'])} | {fmt(p['prompt_tokens'])} | "
+            f"{fmt(p['cached_tokens'])} | {fmt(p['computed_prompt_tokens'])} | {fmt(p['busy_request_seconds'])} | "
+            f"{fmt(p['peak_running_waiting'])} | {fmt(p['preemptions'])} |"
+        )
+    return L
+
+
+def _routes_table(rows: list[dict]) -> list[str]:
+    L = [
+        "| in flight | run | reasons | requests where the load bound passed over a preferred replica | TTFT p50/p99 "
+        "ms, turns ≥ 2 | wall s |",
+        "|---:|---|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(r["routes"]["reasons"].items())) or "-"
+        lt = r["ttft_later_turns_ms"]
+        L.append(
+            f"| {_concurrency(r)} | {r['label']} | {reasons} | {r['routes']['requests_with_skips']} | "
+            f"{_f(lt['p50'])} / {_f(lt['p99'])} | {r['wall_s']:.0f} |"
+        )
+    return L
+
+
+def add_losses(rep: dict) -> None:
+    """Where each run's cache hits fell short of the baseline's at the same concurrency, request by request (same
+    conversation and turn): on first turns (a replica prefilling a system prompt it had not seen) and on later turns
+    (a conversation's history not where its turn went). Read from the runs' per-request records in the run
+    directory."""
+    rows = rep["runs"]
+    for r in rows:
+        base = _baseline_for(rows, r)
+        if base is None or r is base or "loss_vs_baseline" in r:
             continue
         try:
+            ref_records = json.loads((Path(base["logs"]) / "records.json").read_text())
             recs = json.loads((Path(r["logs"]) / "records.json").read_text())
         except OSError:
             continue
+        ref = {(x["conversation"], x["turn"]): x for x in ref_records}
         first = later = moved = 0
         for x in recs:
             b = ref.get((x["conversation"], x["turn"]))
@@ -764,7 +895,7 @@ def add_losses(rep: dict) -> None:
             "first_turn_tokens": first,
             "later_turn_tokens": later,
             "later_turns_short": moved,
-            "baseline_prompt_tokens": total,
+            "baseline_prompt_tokens": sum(x["prompt_tokens"] or 0 for x in ref.values()),
         }
 
 
@@ -784,7 +915,9 @@ def _p(x) -> str:
 
 def main(argv=None) -> None:
     p = bench_parser(__doc__)
-    p.add_argument("--runs", default=",".join(ALL_RUNS), help=f"comma separated, from {ALL_RUNS}")
+    p.add_argument("--runs", default=",".join(DEFAULT_RUNS), help=f"comma separated, from {ALL_RUNS}")
+    p.add_argument("--trace", default="mixed", choices=TRACES)
+    p.add_argument("--concurrency", default="8,64", help="sessions in flight, comma separated: every run at each")
     p.add_argument("--size", default="small", choices=["tiny", "small", "medium"], help="demo checkpoint size")
     p.add_argument("--model", default=None, help="a checkpoint folder instead of the demo checkpoint")
     p.add_argument("--ckpt-root", default="/tmp/tokenfleet-bench/routing-checkpoints")
@@ -792,22 +925,29 @@ def main(argv=None) -> None:
     p.add_argument(
         "--kv-cache-gib",
         type=float,
-        default=0.0125,
-        help="per replica (the baseline gets --replicas x this); small demo: 0.0125 GiB = 400 blocks",
+        default=None,
+        help="per replica (the baseline gets --replicas x this); default by trace, small demo: mixed 0.0625 GiB "
+        "(2048 blocks: 16 sessions of the mixed trace fit), chat 0.0125 GiB (409 blocks: the active conversations "
+        "need more than one replica's)",
     )
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--load-bound", type=float, default=1.25)
+    p.add_argument("--load-bound", type=float, default=1.25, help="routing.load_bound (relative slack)")
+    p.add_argument("--load-slack", type=float, default=8.0, help="routing.load_slack (absolute slack, sequences)")
     p.add_argument("--threads", type=int, default=1, help="OMP/MKL threads per replica and gateway process")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--conversations", type=int, default=64)
-    p.add_argument("--system-prompts", type=int, default=4)
-    p.add_argument("--system-tokens", type=int, default=512)
+    p.add_argument("--conversations", type=int, default=48)
+    p.add_argument("--system-prompts", type=int, default=6)
+    p.add_argument("--system-tokens", default="300,640", help="MIN,MAX (chat: MAX)")
+    p.add_argument("--documents", type=int, default=4, help="mixed: shared documents")
+    p.add_argument("--document-tokens", default="200,400", help="mixed: MIN,MAX")
+    p.add_argument("--document-share", type=float, default=0.4, help="mixed: conversations opening with a document")
+    p.add_argument("--one-off-share", type=float, default=0.2, help="mixed: one-off prompts among the sessions")
+    p.add_argument("--one-off-tokens", default="50,300", help="mixed: MIN,MAX")
     p.add_argument("--turns-min", type=int, default=3)
-    p.add_argument("--turns-max", type=int, default=7)
+    p.add_argument("--turns-max", type=int, default=6)
     p.add_argument("--user-min", type=int, default=16)
-    p.add_argument("--user-max", type=int, default=96)
-    p.add_argument("--max-tokens", type=int, default=24)
-    p.add_argument("--concurrency", type=int, default=12)
+    p.add_argument("--user-max", type=int, default=80)
+    p.add_argument("--max-tokens", default="16,48", help="MIN,MAX per request (chat: MAX)")
     p.add_argument("--request-timeout", type=float, default=120.0)
     p.add_argument("--sample-s", type=float, default=0.25, help="how often each replica's /load is sampled")
     p.add_argument("--run-dir", default=None)
@@ -830,6 +970,11 @@ def main(argv=None) -> None:
     bad = [r for r in runs if r not in ALL_RUNS]
     if bad:
         p.error(f"unknown runs {bad}; choose from {ALL_RUNS}")
+    concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    if not concurrencies or min(concurrencies) < 1 or not 0 <= args.one_off_share < 1:
+        p.error("--concurrency: whole numbers >= 1; --one-off-share: in [0, 1)")
+    if args.kv_cache_gib is None:
+        args.kv_cache_gib = KV_CACHE_GIB[args.trace]
     command = command_line(__file__)
 
     model_dir, source = ensure_checkpoint(args)
@@ -837,45 +982,31 @@ def main(argv=None) -> None:
     run_dir = make_run_dir(args.run_dir, "tokenfleet-routing-")
     wl = make_workload(args, model_dir)
     (run_dir / "workload.json").write_text(json.dumps(wl))
-    total_requests = sum(len(c["users"]) for c in wl["conversations"])
+    total_requests = sum(len(c["users"]) for c in wl["sessions"])
+    one_offs = sum(c["id"] is None for c in wl["sessions"])
     print(
-        f"checkpoint {model_dir}; workload: {args.conversations} conversations, {total_requests} requests "
-        f"-> {run_dir / 'workload.json'}"
+        f"checkpoint {model_dir}; workload ({args.trace}): {len(wl['sessions'])} sessions ({one_offs} one-offs), "
+        f"{total_requests} requests -> {run_dir / 'workload.json'}"
     )
 
     t_all = time.perf_counter()
-    rows = [run_one(name, args, model_dir, wl, run_dir) for name in runs]
+    rows = [run_one(name, c, args, model_dir, wl, run_dir) for c in concurrencies for name in runs]
     total = time.perf_counter() - t_all
     print(f"\nall runs done in {total:.0f}s; run dir: {run_dir}")
     if not args.out:
         return
+    keys = ["seed", "trace", "conversations", "system_prompts", "system_tokens", "turns_min", "turns_max"]
+    keys += ["user_min", "user_max", "max_tokens", "replicas", "kv_cache_gib", "load_bound", "load_slack"]
+    keys += ["sample_s", "max_model_len", "documents", "document_tokens", "document_share", "one_off_share"]
+    keys += ["one_off_tokens"]
     rep = {
         "date": _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
         "command": command,
         "machine": machine_info(args),
         "versions": package_versions(("tokenfleet", "torch", "httpx", "uvicorn", "fastapi")),
         "checkpoint": {"dir": str(model_dir), "source": source, "info": info},
-        "workload": {
-            k: getattr(args, k)
-            for k in (
-                "seed",
-                "conversations",
-                "system_prompts",
-                "system_tokens",
-                "turns_min",
-                "turns_max",
-                "user_min",
-                "user_max",
-                "max_tokens",
-                "concurrency",
-                "replicas",
-                "kv_cache_gib",
-                "load_bound",
-                "sample_s",
-                "max_model_len",
-            )
-        }
-        | {"total_requests": total_requests},
+        "workload": {k: getattr(args, k) for k in keys}
+        | {"concurrency": concurrencies, "total_requests": total_requests, "one_offs": one_offs},
         "runs": rows,
         "notes": args.note,
         "run_dir": str(run_dir),

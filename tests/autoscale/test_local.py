@@ -120,15 +120,17 @@ class Load:
         while not self.stop.is_set():
             n += 1
             try:
-                self._one(stream=(i + n) % 2 == 0)
+                self._one(stream=(i + n) % 2 == 0, topic=f"{i}-{n}")
                 self.ok += 1
             except Exception as e:  # any failure at all is what the test is about
                 self.failures.append(repr(e))
 
-    def _one(self, stream: bool) -> None:
+    def _one(self, stream: bool, topic: str) -> None:
+        # each request its own prompt: with one shared prompt, cache-aware routing rightly keeps a handful of
+        # requests on the replica that has it cached (the load bound's slack), and a new replica waits longer
         kwargs = dict(
             model=MODEL,
-            messages=[{"role": "user", "content": "Tell me a story"}],
+            messages=[{"role": "user", "content": f"{topic}: tell me a story"}],
             max_tokens=96,
             temperature=0,
             extra_body={"ignore_eos": True},

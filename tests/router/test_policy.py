@@ -5,16 +5,15 @@ from collections import Counter
 
 import pytest
 
-from tokenfleet.router.policy import (
-    TOKENS_PER_SLOT,
+from tokenfleet.router.policies import (
     CacheAwarePolicy,
     Choice,
     LeastLoadedPolicy,
     NoReplicaAvailable,
-    ReplicaState,
     RoundRobinPolicy,
 )
 from tokenfleet.router.prefix import prompt_hashes
+from tokenfleet.router.replica_state import ReplicaState
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -26,35 +25,29 @@ def pool(n: int = 4, **loads: int) -> list[ReplicaState]:
     return [ReplicaState(f"r{i}", in_flight=loads.get(f"r{i}", 0)) for i in range(n)]
 
 
-def test_load_takes_the_larger_count_plus_queued_prefill() -> None:
-    assert ReplicaState("a", in_flight=3, running=1, waiting=1).load() == 3
-    assert ReplicaState("a", in_flight=1, running=4, waiting=2).load() == 6
-    assert ReplicaState("a", in_flight=2, queued_tokens=TOKENS_PER_SLOT // 2).load() == 2.5
-
-
 def test_next_turn_goes_where_its_history_is() -> None:
     policy, replicas = CacheAwarePolicy(), pool()
     turn1 = tokens(200, seed=1)
     first = policy.choose(replicas, turn1)
-    assert first.reason == "ring" and first.matched_blocks == 0
+    assert first.reason == "new" and first.matched_blocks == 0
     turn2 = turn1 + tokens(100, seed=2)
     second = policy.choose(replicas, turn2)
     assert second == Choice(first.replica, "prefix", 200 // 16, 0)
     assert policy.choose(replicas, turn2).replica == first.replica  # a regenerate: the same prompt again
 
 
-def test_an_overloaded_holder_is_passed_over_for_the_next_candidate() -> None:
+def test_an_overloaded_holder_is_passed_over_for_the_least_loaded() -> None:
     policy, replicas = CacheAwarePolicy(), pool()
     prompt = tokens(320, seed=3)
     home = policy.choose(replicas, prompt).replica
-    # Within the bound (1.25 x the average counting this request, rounded up: ceil(1.25 x 14 / 4) = 5) it stays.
+    # 5 against 1: within the bound's absolute slack (8 sequences), the holder keeps its prompt's next turn.
     for r in replicas:
-        r.in_flight = 4 if r.name == home else 3
+        r.in_flight = 5 if r.name == home else 1
     assert policy.choose(replicas, prompt + tokens(60, seed=5)) == Choice(home, "prefix", 20, 0)
     for r in replicas:
         r.in_flight = 10 if r.name == home else 2
     choice = policy.choose(replicas, prompt + tokens(50, seed=4))
-    assert choice.replica != home and choice.candidates_skipped == 1 and choice.reason == "ring"
+    assert choice.replica != home and choice.candidates_skipped == 1 and choice.reason == "least_loaded"
 
 
 def test_queued_prefill_below_a_slot_does_not_push_the_holder_over_the_bound() -> None:
@@ -69,15 +62,28 @@ def test_queued_prefill_below_a_slot_does_not_push_the_holder_over_the_bound() -
     assert choice.replica == holder and choice.reason == "prefix" and choice.matched_blocks == 50
 
 
-def test_new_prefixes_spread_over_the_ring_even_when_the_load_reports_are_stale() -> None:
-    """Failure mode (b): misses must not all go to whichever replica looked least loaded at that instant."""
+def test_new_prefixes_spread_even_when_the_load_reports_are_stale() -> None:
+    """Failure mode (b): misses must not all go to whichever replica looked least loaded at that instant. Other
+    gateways' sequences come from a report (stale between two polls), but this router's own count moves with each
+    request it sends, so new prompts fill the gap and then spread."""
+    policy, replicas = CacheAwarePolicy(), pool()
+    for r in replicas[1:]:
+        r.reported(running=3, waiting=0, queued_tokens=0, kv_usage=0.0)  # another gateway's 3, never refreshed
+    by_name = {r.name: r for r in replicas}
+    counts = Counter()
+    for s in range(400):
+        name = policy.choose(replicas, tokens(64, seed=s)).replica
+        by_name[name].begin()  # what the pool does when the request starts (none finishes here)
+        counts[name] += 1
+    assert len(counts) == 4 and max(r.load() for r in replicas) - min(r.load() for r in replicas) <= 1, counts
+    assert counts["r0"] == counts["r1"] + 3
 
-    def spread(policy) -> Counter:
-        replicas = pool(r1=1, r2=1, r3=1)  # never updated, like a report between two polls
-        return Counter(policy.choose(replicas, tokens(64, seed=s)).replica for s in range(400))
 
-    assert spread(LeastLoadedPolicy()) == Counter({"r0": 400})
-    counts = spread(CacheAwarePolicy())
+def test_new_prompts_with_equal_load_spread_over_the_ring() -> None:
+    """Equally loaded replicas (here: a load figure that never changes) do not all get the new prompts of the first
+    one listed."""
+    policy, replicas = CacheAwarePolicy(), pool(r0=1, r1=1, r2=1, r3=1)
+    counts = Counter(policy.choose(replicas, tokens(64, seed=s)).replica for s in range(400))
     assert len(counts) == 4 and max(counts.values()) <= 0.35 * 400, counts
 
 
@@ -143,7 +149,7 @@ def test_forget_and_pool_changes() -> None:
 def test_prompts_shorter_than_a_block_still_route() -> None:
     policy, replicas = CacheAwarePolicy(), pool()
     assert policy.choose(replicas, [1, 2, 3]).matched_blocks == 0
-    assert policy.choose(replicas, []).reason == "ring"
+    assert policy.choose(replicas, []).reason == "new"
 
 
 def test_round_robin_and_least_loaded() -> None:
@@ -155,3 +161,20 @@ def test_round_robin_and_least_loaded() -> None:
     assert LeastLoadedPolicy().choose(replicas, []) == Choice("r2", "least_loaded", 0, 0)
     ll, idle = LeastLoadedPolicy(), pool(3)
     assert [ll.choose(idle, []).replica for _ in range(3)] == ["r0", "r1", "r2"]  # ties taken in turn
+
+
+def test_a_new_conversation_prefers_its_system_prompts_holder_only_while_about_as_idle_as_the_rest() -> None:
+    """Placement (not an idle pool): a holder of the shared prefix wins among replicas within one sequence of the
+    least loaded, and no further; its new conversations then go to the least loaded."""
+    system = tokens(16 * 20, seed=21)
+    policy, replicas = CacheAwarePolicy(), pool(r0=1, r1=1, r2=1, r3=1)
+    by_name = {r.name: r for r in replicas}
+    holder = policy.choose(replicas, system + tokens(40, seed=22)).replica
+    policy.choose(replicas, system + tokens(40, seed=23))  # a second conversation: the system prompt is shared now
+    for r in replicas:
+        r.in_flight = 2 if r.name == holder else 1
+    first = policy.choose(replicas, system + tokens(40, seed=24))
+    assert (first.replica, first.reason, first.matched_blocks) == (holder, "new", 20)
+    by_name[holder].in_flight = 3  # two above the least loaded: the prefix no longer tips it
+    second = policy.choose(replicas, system + tokens(40, seed=25))
+    assert second.replica != holder and second.reason == "new"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tokenfleet.router.catalog import ModelCatalog, ModelSpec, PoolSpec
-from tokenfleet.router.policy import NoReplicaAvailable
+from tokenfleet.router.policies import NoReplicaAvailable
 from tokenfleet.router.registry import ReplicaRecord
 from tokenfleet.router.router import Router
 from tokenfleet.router.settings import RoutingSettings

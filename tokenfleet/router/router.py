@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from tokenfleet.router.catalog import ModelCatalog, ModelSpec, RequestFacts, Resolution
 from tokenfleet.router.health import HealthTracker
 from tokenfleet.router.load import LoadUnavailable, Upstream
-from tokenfleet.router.policy import RoutingPolicy, make_policy
+from tokenfleet.router.policies import RoutingPolicy, make_policy
 from tokenfleet.router.pool import ModelPools
 from tokenfleet.router.settings import RoutingSettings
 
@@ -45,7 +45,8 @@ class Router:
                 raise ValueError(f"shadow names an unknown model: {shadow.model} / {shadow.candidate}")
 
     def _policy(self) -> RoutingPolicy:
-        return make_policy(self.settings.policy, self.settings.block_size, self.settings.load_bound)
+        s = self.settings
+        return make_policy(s.policy, s.block_size, s.load_bound, s.load_slack)
 
     def add_configured_replicas(self) -> None:
         for pools in self.models.values():
@@ -109,15 +110,16 @@ class Router:
         """Every interval: each replica's load report (ours: /load; external: vLLM's /metrics)."""
         while True:
             replicas = [(pools, r) for pools in self.models.values() for r in list(pools.replicas.values())]
+            marks = [r.state.mark() for _, r in replicas]  # what each report may count as this router's own
             reports = await asyncio.gather(*(r.upstream.load() for _, r in replicas), return_exceptions=True)
-            for (pools, replica), report in zip(replicas, reports):
+            for (pools, replica), mark, report in zip(replicas, marks, reports):
                 if isinstance(report, LoadUnavailable):
                     if report.reason in ("connect", "timeout", "5xx"):
                         self.health.record_failure(replica.name, report.reason, "load report")
                 elif isinstance(report, BaseException):
                     log.warning("load report of %s failed: %r", replica.name, report)
                 else:
-                    pools.update_load(replica.name, report)
+                    pools.update_load(replica.name, report, mark)
             await asyncio.sleep(self.settings.load_interval_s)
 
     def on_registry_change(self, joined: list[ReplicaRecord], left: list[ReplicaRecord]) -> None:

@@ -1,4 +1,12 @@
-"""`routing:` in fleet.yaml: the policy and its load bound, health checks, product rules, canaries and shadows."""
+"""`routing:` in fleet.yaml: the policy and its load bound, health checks, product rules, canaries and shadows.
+
+The load bound (cache_aware): a request goes where its conversation lives or its prefix is cached unless that replica
+is really busier than the least loaded one, which takes both of (counting the request, in sequences: the router's
+live in-flight count, other gateways' sequences from the last load report, queued prefill / 2048 tokens)
+- more than `load_slack` sequences above the least loaded (absolute: small counts never look imbalanced), and
+- more than `load_bound` times the least loaded (relative: large counts do not drift apart).
+SGLang's router has the same pair (balance_abs_threshold, balance_rel_threshold), counted in requests.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +16,8 @@ from typing import Any
 
 from tokenfleet.router.catalog import RoutingRule
 from tokenfleet.router.health import HealthSettings
-from tokenfleet.router.policy import POLICIES
+from tokenfleet.router.policies import POLICIES
+from tokenfleet.router.policies.load_bound import DEFAULT_ABSOLUTE, DEFAULT_RELATIVE
 from tokenfleet.settings import section
 
 
@@ -37,7 +46,8 @@ class Shadow:
 @dataclass
 class RoutingSettings:
     policy: str = "cache_aware"
-    load_bound: float = 1.25  # a cached replica above this x the pool's average load is passed over
+    load_bound: float = DEFAULT_RELATIVE  # relative slack: passed over only above this x the least loaded ...
+    load_slack: float = DEFAULT_ABSOLUTE  # ... and more than this many sequences above it (see the docstring)
     block_size: int = 16  # must match the replicas' engine block size for prefix hashes to agree
     load_interval_s: float = 1.0
     max_retries: int = 2  # a replica dying mid-response: the request continues on another, this many times
@@ -51,8 +61,10 @@ class RoutingSettings:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if self.load_bound < 1.0 or self.block_size < 1 or self.max_retries < 0 or self.load_interval_s <= 0:
-            raise ValueError("load_bound >= 1, block_size >= 1, max_retries >= 0 and load_interval_s > 0 please")
+        if not (self.load_bound >= 1.0 and self.load_slack >= 0) or self.block_size < 1 or self.max_retries < 0:
+            raise ValueError("load_bound >= 1, load_slack >= 0, block_size >= 1 and max_retries >= 0 please")
+        if not self.load_interval_s > 0:
+            raise ValueError("load_interval_s > 0 please")
         for canary in self.canary:
             if any(not 0 <= p <= 100 for p in canary.percent.values()):
                 raise ValueError(f"canary {canary.model}: percentages go from 0 to 100")

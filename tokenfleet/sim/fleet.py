@@ -10,7 +10,8 @@ from tokenfleet.dispatch.overload import OverloadLadder, OverloadSettings
 from tokenfleet.dispatch.queue import Dispatcher
 from tokenfleet.dispatch.tiers import TierConfig
 from tokenfleet.quota.memory import MemoryQuota
-from tokenfleet.router.policy import make_policy
+from tokenfleet.router.policies import make_policy
+from tokenfleet.router.policies.load_bound import DEFAULT_ABSOLUTE
 from tokenfleet.sim.cost_model import CostModel
 from tokenfleet.sim.events import EventQueue, SimClock
 from tokenfleet.sim.gateway import SimGateway
@@ -33,7 +34,8 @@ class FleetSetup:
     warmup_s: float = 0.0
     drain_s: float = 120.0  # after the last arrival, in-flight work gets this long to finish
     policy: str = "cache_aware"
-    load_bound: float = 1.25
+    load_bound: float = 1.25  # the router's load bound: relative slack ...
+    load_slack: float = DEFAULT_ABSOLUTE  # ... and absolute slack, in sequences (tokenfleet/router/settings.py)
     affinity: bool = True  # route by conversation id (x-conversation-id), as the chat product does
     overload: OverloadSettings = field(default_factory=OverloadSettings)
     slots_per_replica: int = 256
@@ -59,7 +61,7 @@ class Fleet:
         self.states = [r.state for r in self.replicas]  # the replicas the router may choose: not draining
         self.draining: set[str] = set()
         self._next_replica = s.replicas
-        self.policy = make_policy(s.policy, s.spec.block_size, s.load_bound)
+        self.policy = make_policy(s.policy, s.spec.block_size, s.load_bound, s.load_slack)
         self.gateway = SimGateway(
             s.tiers,
             self.clock,

@@ -2,7 +2,7 @@
 // optional system prompt, and replies streamed through the conversations API with Stop, Regenerate and Continue.
 // A reload mid-reply shows the text so far and follows the rest; a dropped connection resumes (reply.js).
 import { Api, ApiError } from "./api.js";
-import { byId, el, formatNumber, formatSeconds, show } from "./dom.js";
+import { byId, el, formatNumber, formatSeconds, show, showSignInPanel } from "./dom.js";
 import { explain, explainReplyError } from "./errors.js";
 import { ReplyStream } from "./reply.js";
 
@@ -387,22 +387,8 @@ function conversationItem(conversation) {
     text: title,
     onclick: () => openConversation(conversation.id),
   });
-  const rename = el("button", {
-    type: "button",
-    class: "icon",
-    "aria-label": `Rename ${title}`,
-    title: "Rename",
-    text: "✎",
-    onclick: () => startRename(item, conversation),
-  });
-  const remove = el("button", {
-    type: "button",
-    class: "icon",
-    "aria-label": `Delete ${title}`,
-    title: "Delete",
-    text: "✕",
-    onclick: () => confirmDelete(item, conversation),
-  });
+  const rename = iconButton("Rename", title, "✎", () => startRename(item, conversation));
+  const remove = iconButton("Delete", title, "✕", () => confirmDelete(item, conversation));
   item.append(open, rename, remove);
   return item;
 }
@@ -569,16 +555,14 @@ function cancelCountdown() {
   delete byId("banner").dataset.retryIn;
 }
 
+function iconButton(action, title, symbol, onclick) {
+  return el("button", { type: "button", class: "icon", "aria-label": `${action} ${title}`, title: action, text: symbol, onclick });
+}
+
 // --- signing in ------------------------------------------------------------------------------------------------
 
 function showSignIn(message = "") {
-  show(byId("app"), false);
-  show(byId("sign-in"), true);
-  show(byId("sign-out"), false);
-  byId("sign-in-message").textContent = message;
-  show(byId("sign-in-message"), Boolean(message));
-  byId("api-key").value = "";
-  byId("api-key").focus();
+  showSignInPanel(message, "api-key");
 }
 
 function signOut(message = "") {

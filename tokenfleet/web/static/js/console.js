@@ -3,7 +3,7 @@
 // a console left open costs the gateway next to nothing and never waits on a request's path.
 import { Api, ApiError } from "./api.js";
 import { barList, stackedColumns } from "./charts.js";
-import { byId, el, formatDate, formatNumber, formatSeconds, show } from "./dom.js";
+import { byId, el, formatDate, formatNumber, formatSeconds, show, showSignInPanel } from "./dom.js";
 
 const KEY_STORAGE = "tokenfleet.adminKey"; // this tab only: the admin key opens everything
 const FLEET_EVERY_MS = 2000;
@@ -477,13 +477,7 @@ function forgetCreatedKey() {
 
 function showSignIn(message = "") {
   stopPolling();
-  show(byId("app"), false);
-  show(byId("sign-out"), false);
-  show(byId("sign-in"), true);
-  byId("sign-in-message").textContent = message;
-  show(byId("sign-in-message"), Boolean(message));
-  byId("admin-key").value = "";
-  byId("admin-key").focus();
+  showSignInPanel(message, "admin-key");
 }
 
 function signOut(message = "") {

@@ -47,3 +47,14 @@ export function formatDate(unixSeconds) {
   if (!unixSeconds) return "–";
   return new Date(unixSeconds * 1000).toISOString().replace("T", " ").slice(0, 16);
 }
+
+// The sign-in panel in place of the page: an optional reason, and an empty key field with the focus.
+export function showSignInPanel(message, keyFieldId) {
+  show(byId("app"), false);
+  show(byId("sign-out"), false);
+  show(byId("sign-in"), true);
+  byId("sign-in-message").textContent = message;
+  show(byId("sign-in-message"), Boolean(message));
+  byId(keyFieldId).value = "";
+  byId(keyFieldId).focus();
+}

@@ -180,7 +180,7 @@ def run_gateway(args: argparse.Namespace) -> int:
 
 
 def add_keys(parser: argparse.ArgumentParser) -> None:
-    from tokenfleet.commands.database import add_data_dir_argument
+    from tokenfleet.commands.database import add_database_arguments
 
     actions = parser.add_subparsers(dest="keys_action", required=True, metavar="ACTION")
     create = actions.add_parser(
@@ -195,14 +195,7 @@ def add_keys(parser: argparse.ArgumentParser) -> None:
     revoke = actions.add_parser("revoke", help="revoke an API key; it stops working at once")
     revoke.add_argument("key_id", help="the key's id (key_...), as shown by `tokenfleet keys list`")
     for action in (create, listing, revoke):
-        action.add_argument(
-            "--database-url",
-            default=None,
-            help="sqlite:///path or postgresql://user@host/db (default: the SQLite file in --data-dir, else "
-            "$TOKENFLEET_DATABASE_URL, else database_url in --config, else the default serve instance's)",
-        )
-        action.add_argument("--config", default=None, help="fleet.yaml: its database_url and tiers")
-        add_data_dir_argument(action)
+        add_database_arguments(action, "its database_url and tiers")
 
 
 def run_keys(args: argparse.Namespace) -> int:

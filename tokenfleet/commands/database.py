@@ -51,6 +51,18 @@ def resolve_database_url(
     return sqlite_url(default_dir or default_data_dir())
 
 
+def add_database_arguments(parser: argparse.ArgumentParser, config_help: str = "its database_url") -> None:
+    """--database-url, --config and --data-dir: which database a command uses (resolve_database_url's order)."""
+    parser.add_argument(
+        "--database-url",
+        default=None,
+        help="sqlite:///path or postgresql://user@host/db (default: the SQLite file in --data-dir, else "
+        "$TOKENFLEET_DATABASE_URL, else database_url in --config, else the default serve instance's)",
+    )
+    parser.add_argument("--config", default=None, help=f"fleet.yaml: {config_help}")
+    add_data_dir_argument(parser)
+
+
 def add_data_dir_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data-dir",
@@ -111,14 +123,7 @@ def add_db_arguments(parser: argparse.ArgumentParser) -> None:
     init = actions.add_parser(
         "init", help="create the database when it does not exist, and migrate it to the newest schema"
     )
-    init.add_argument(
-        "--database-url",
-        default=None,
-        help="sqlite:///path or postgresql://user@host/db (default: $TOKENFLEET_DATABASE_URL, else database_url "
-        "in --config, else the default serve instance's SQLite file)",
-    )
-    init.add_argument("--config", default=None, help="fleet.yaml: its database_url")
-    add_data_dir_argument(init)
+    add_database_arguments(init)
 
 
 def run_db_command(args: argparse.Namespace) -> int:

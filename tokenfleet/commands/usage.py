@@ -12,7 +12,7 @@ from datetime import date
 from sqlalchemy.exc import SQLAlchemyError
 
 from tokenfleet.billing.report import UsageFilter, check_groups, unit_costs, usage_report
-from tokenfleet.commands.database import add_data_dir_argument, resolve_database_url
+from tokenfleet.commands.database import add_database_arguments, resolve_database_url
 from tokenfleet.store.db import Database
 from tokenfleet.store.tenants import TenantStore
 from tokenfleet.table import print_table
@@ -37,14 +37,7 @@ def add_usage_arguments(parser: argparse.ArgumentParser) -> None:
         help="cost per million output tokens by model and tier (billing.replica_hour_usd)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument(
-        "--database-url",
-        default=None,
-        help="default: the SQLite file in --data-dir, else $TOKENFLEET_DATABASE_URL, else database_url in --config, "
-        "else the default serve instance's SQLite file",
-    )
-    parser.add_argument("--config", default=None, help="fleet.yaml: its database_url and billing prices")
-    add_data_dir_argument(parser)
+    add_database_arguments(parser, "its database_url and billing prices")
 
 
 def run_usage_command(args: argparse.Namespace) -> int:

@@ -58,9 +58,8 @@ def test_resolution_order(tmp_path, monkeypatch):
     monkeypatch.delenv("TOKENFLEET_DATABASE_URL", raising=False)
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text("model_name: m\nmodel_path: /x\ndatabase_url: postgresql://from-config/db\n")
-    default = resolve_database_url(None, None)
-    assert default == f"sqlite:///{tmp_path}/.local/share/tokenfleet/tokenfleet.db"
-    assert (tmp_path / ".local/share/tokenfleet").is_dir()
+    default = resolve_database_url(None, None)  # the default `tokenfleet serve` instance's (port 8000)
+    assert default == f"sqlite:///{tmp_path}/.local/share/tokenfleet/serve-8000/tokenfleet.db"
     assert resolve_database_url(None, str(fleet)) == "postgresql://from-config/db"
     monkeypatch.setenv("TOKENFLEET_DATABASE_URL", "sqlite:///from-env.db")
     assert resolve_database_url(None, str(fleet)) == "sqlite:///from-env.db"

@@ -90,14 +90,15 @@ class Gateway:
         how the relay writes its events, when not as the request's own API does (the Responses API's)."""
         p = await self.preparation.prepare(kind, body, caller, mode)
         REQUEST_ID.set(p.request_id)  # in this task's log lines, and sent on to the replica (x-request-id)
+        arrived_ns = epoch_ns(p.arrived)
         span = TRACER.start_span(
             "gateway.request",
             kind=trace.SpanKind.SERVER,
-            start_time=epoch_ns(p.arrived),
+            start_time=arrived_ns,
             attributes={"tokenfleet.request_id": p.request_id, "tokenfleet.tier": caller.principal.tier},
         )
         try:
-            return await self._admit(p, caller, native, affinity, span, event_format)
+            return await self._admit(p, caller, native, affinity, (span, arrived_ns), event_format)
         except BaseException as e:
             _end_span(span, e)
             raise
@@ -108,10 +109,11 @@ class Gateway:
         caller: Caller,
         native: bool,
         affinity: str | None,
-        span: trace.Span,
+        traced: tuple[trace.Span, int],
         event_format: Callable[[str], EventFormat] | None,
     ) -> Relay:
-        admission = TRACER.start_span("admission", trace.set_span_in_context(span), start_time=epoch_ns(p.arrived))
+        span, arrived_ns = traced  # the request's span, and when it arrived (the admission span's start too)
+        admission = TRACER.start_span("admission", trace.set_span_in_context(span), start_time=arrived_ns)
         try:
             admitted, tokens = await self._reserve(p, caller)
         except BaseException as e:

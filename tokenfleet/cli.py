@@ -252,6 +252,18 @@ def run_simulate(args: argparse.Namespace) -> int:
     return run_simulate_command(args)
 
 
+def add_eval(parser: argparse.ArgumentParser) -> None:
+    from tokenfleet.commands.eval import add_eval as add_eval_arguments
+
+    add_eval_arguments(parser)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from tokenfleet.commands.eval import run_eval as run_eval_command
+
+    return run_eval_command(args)
+
+
 COMMANDS: list[Command] = [
     Command("serve", "gateway and one replica in one process (demo checkpoint without --model)", add_serve, run_serve),
     Command("gateway", "the public API in front of replicas listed in a fleet.yaml", add_gateway, run_gateway),
@@ -268,6 +280,12 @@ COMMANDS: list[Command] = [
         "write a small random-weight Llama checkpoint (no download needed)",
         add_demo_model,
         run_demo_model,
+    ),
+    Command(
+        "eval",
+        "evaluation gate: perplexity, and KL divergence and top-1 agreement against a reference model",
+        add_eval,
+        run_eval,
     ),
     Command("keys", "create, list and revoke API keys (runs database migrations first)", add_keys, run_keys),
     Command("db", "create the database when missing and migrate it (db init)", add_db, run_db),

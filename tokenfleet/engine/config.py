@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
 # vLLM's names. auto: the model's dtype; fp8 (= fp8_e4m3): 3 mantissa bits, range +-448; fp8_e5m2: 2 bits, +-57344
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+QUANTIZATIONS = ("fp8", "int8")  # on-line weight quantization at load (model/quantized.py)
 
 
 @dataclass
@@ -26,6 +27,14 @@ class EngineConfig:
     # memory (engine/memory.py)
     kv_cache_gib: float | None = field(default=None, metadata={"help": "default: auto, sized to the job"})
     kv_cache_dtype: str = field(default="auto", metadata={"choices": KV_CACHE_DTYPES})
+    quantization: str | None = field(
+        default=None,
+        metadata={
+            "choices": QUANTIZATIONS,
+            "help": "quantize a full-precision checkpoint's linear weights to 8 bits at load, a scale per output "
+            "channel (default: none; a quantized checkpoint loads as its config.json says)",
+        },
+    )
     gpu_memory_utilization: float = 0.9  # fraction of free GPU memory the KV cache may take
     # host memory for swapped-out KV blocks, allocated at the first swap-out; None: as large as the KV cache, within
     # a share of the available memory
@@ -43,6 +52,10 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; choose one of {', '.join(KV_CACHE_DTYPES)}"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization {self.quantization!r} is not supported; choose one of {', '.join(QUANTIZATIONS)}"
             )
 
     @classmethod

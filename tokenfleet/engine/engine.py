@@ -83,7 +83,9 @@ class Engine:
         dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
         self.tokenizer = None if config.skip_tokenizer_init else Tokenizer.from_dir(config.model)
         self.max_model_len = self._max_model_len(config, ModelConfig.from_dir(config.model))
-        self.model = load_model(config.model, dtype, self.device, max_positions=self.max_model_len)
+        self.model = load_model(
+            config.model, dtype, self.device, max_positions=self.max_model_len, quantization=config.quantization
+        )
         self.model_config = self.model.config
         self.runner = ModelRunner(self.model, config, self.device)
         self.blocks = KVBlockManager(

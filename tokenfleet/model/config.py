@@ -64,6 +64,7 @@ class ModelConfig:
     sliding_window: int | None
     dtype_name: str  # the weights' dtype: float32, bfloat16 or float16
     eos_token_ids: list[int]
+    quantization: WeightQuantization | None = None  # the checkpoint's own (config.json's quantization_config)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -106,6 +107,7 @@ class ModelConfig:
             sliding_window=_sliding_window(raw, family),
             dtype_name=canonical_dtype(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            quantization=parse_quantization_config(raw.get("quantization_config")),
         )
 
     @property
@@ -121,6 +123,94 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+
+ONLINE_QUANTIZATIONS = ("fp8", "int8")  # --quantization: the checkpoint's linear weights quantized at load
+CHECKPOINT_QUANTIZATIONS = ("fp8", "compressed-tensors")  # quantization_config.quant_method values we load
+# compressed-tensors formats whose 8-bit weights we read: stored as int8/float8 tensors, or int8 packed into int32
+COMPRESSED_FORMATS = ("int-quantized", "float-quantized", "naive-quantized", "pack-quantized")
+
+
+@dataclass(frozen=True)
+class WeightQuantization:
+    """8-bit weights of the decoder's linear layers, dequantized on the fly: `weight_type` float (float8_e4m3fn) or
+    int (int8, symmetric), a scale per tensor or per output channel. `method` says where it came from: a
+    checkpoint's quant_method (fp8, compressed-tensors) or `online` (quantized at load from full precision)."""
+
+    method: str
+    weight_type: str  # "float" | "int"
+    packed: bool = False  # compressed-tensors pack-quantized: `weight_packed` int32 words of four int8 values
+    ignore: tuple[str, ...] = ()  # module names left unquantized (exact, or "re:" + a regular expression)
+
+    @property
+    def online(self) -> bool:
+        return self.method == "online"
+
+    @classmethod
+    def for_online(cls, name: str) -> WeightQuantization:
+        if name not in ONLINE_QUANTIZATIONS:
+            raise ValueError(f"quantization {name!r} is not supported; choose one of {', '.join(ONLINE_QUANTIZATIONS)}")
+        return cls("online", "float" if name == "fp8" else "int")
+
+
+def parse_quantization_config(raw: dict | None) -> WeightQuantization | None:
+    """config.json's quantization_config -> what we load, or a ValueError naming what we cannot (never a model
+    silently run with weights it misreads)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ValueError(f"quantization_config must be an object, got {type(raw).__name__}")
+    method = raw.get("quant_method")
+    if method not in CHECKPOINT_QUANTIZATIONS:
+        raise ValueError(
+            f"unsupported quantization_config.quant_method {method!r}; tokenfleet loads "
+            f"{', '.join(CHECKPOINT_QUANTIZATIONS)} checkpoints (8-bit weights)"
+        )
+    if method == "fp8":
+        return _fp8_config(raw)
+    return _compressed_tensors_config(raw)
+
+
+def _fp8_config(raw: dict) -> WeightQuantization:
+    if raw.get("weight_block_size"):
+        raise ValueError("quant_method fp8 with weight_block_size (block-wise scales) is not supported")
+    fmt = raw.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"quant_method fp8 with fmt {fmt!r} is not supported; only e4m3 weights")
+    ignore = raw.get("ignored_layers") or raw.get("modules_to_not_convert") or []
+    return WeightQuantization("fp8", "float", ignore=tuple(ignore))
+
+
+def _compressed_tensors_config(raw: dict) -> WeightQuantization:
+    fmt = raw.get("format")
+    if fmt not in COMPRESSED_FORMATS:
+        raise ValueError(
+            f"quant_method compressed-tensors with format {fmt!r} is not supported; "
+            f"choose one of {', '.join(COMPRESSED_FORMATS)}"
+        )
+    groups = list((raw.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        raise ValueError(f"quant_method compressed-tensors: expected one config group, got {len(groups)}")
+    group = groups[0]
+    weights = group.get("weights") or {}
+    problems = []
+    if "Linear" not in (group.get("targets") or []):
+        problems.append(f"targets {group.get('targets')!r} (only Linear)")
+    if weights.get("num_bits") != 8:
+        problems.append(f"num_bits {weights.get('num_bits')!r} (only 8)")
+    if weights.get("type") not in ("int", "float"):
+        problems.append(f"type {weights.get('type')!r} (int or float)")
+    if weights.get("strategy") not in ("tensor", "channel"):
+        problems.append(f"strategy {weights.get('strategy')!r} (tensor or channel)")
+    if weights.get("symmetric") is False:
+        problems.append("asymmetric weights")
+    if fmt == "pack-quantized" and weights.get("type") != "int":
+        problems.append("pack-quantized float weights")
+    if problems:
+        raise ValueError(f"quant_method compressed-tensors with unsupported weights: {'; '.join(problems)}")
+    return WeightQuantization(
+        "compressed-tensors", weights["type"], packed=fmt == "pack-quantized", ignore=tuple(raw.get("ignore") or [])
+    )
 
 
 def _rope_theta(raw: dict) -> float:

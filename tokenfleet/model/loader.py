@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from tokenfleet.model.config import ModelConfig
+from tokenfleet.model.config import ModelConfig, WeightQuantization
 from tokenfleet.model.llama import LlamaForCausalLM
+from tokenfleet.model.quantized import QuantizedLinear, quantize_per_channel, replace_linears, unpack_int8
 
 log = logging.getLogger(__name__)
 GIB = 1 << 30
@@ -20,6 +21,9 @@ PROGRESS_FROM_BYTES = 1 << 30  # a checkpoint at least this large logs its progr
 PROGRESS_EVERY_S = 5.0
 
 _IGNORED = re.compile(r".*(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
+# quantized checkpoints' tensors we do not need: activation scales (we compute in 16/32 bits), packed shapes
+_QUANT_IGNORED = re.compile(r".*\.(input_scale|weight_shape|weight_zero_point)$")
+_EIGHT_BIT = (torch.float8_e4m3fn, torch.int8)
 # HF name (without the "model." prefix) -> (our name, index of the slice inside a fused weight or None)
 _FUSED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
@@ -35,29 +39,60 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     max_positions: int | None = None,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
+    """`quantization` (fp8 | int8): quantize a full-precision checkpoint's linear weights while loading; a
+    checkpoint that config.json says is quantized loads its 8-bit weights as they are."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model folder {path} does not exist")
     config = ModelConfig.from_dir(path)
+    scheme = _weight_quantization(config, quantization)
     dtype = dtype or config.dtype
     device = torch.device(device)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions)
+    if scheme is not None:
+        replace_linears(model, scheme, _checkpoint_module_names(model))
+        log.info("linear weights in 8 bits: %s %s, dequantized on the fly", scheme.method, scheme.weight_type)
     _materialize(model, dtype, device)
     model.rope.build(device)
-    loaded = _load_weights(model, path)
+    loaded = _load_weights(model, path, scheme)
     _check_complete(model, loaded)
     return model.eval()
 
 
+def _weight_quantization(config: ModelConfig, online: str | None) -> WeightQuantization | None:
+    if online is None:
+        return config.quantization
+    if config.quantization is not None:
+        raise ValueError(
+            f"quantization {online!r} asks to quantize at load, but the checkpoint is already quantized "
+            f"(quant_method {config.quantization.method}); leave quantization unset to load it as it is"
+        )
+    return WeightQuantization.for_online(online)
+
+
+def _checkpoint_module_names(model: LlamaForCausalLM) -> dict[str, list[str]]:
+    """Our linear module name -> the checkpoint's names of the modules fused into it."""
+    names = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            parts = [hf for hf, (fused, _) in _FUSED.items() if name.endswith(fused)]
+            prefix = "" if name.startswith("lm_head") else "model."
+            names[name] = [prefix + name.replace(_FUSED[hf][0], hf) for hf in parts] or [prefix + name]
+    return names
+
+
 def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
     """Uninitialized storage of `dtype` on `device` for every parameter the model was built with on the meta
-    device (the checkpoint fills them). Made with torch.empty: Module.to_empty's empty_like of meta tensors goes
-    through PyTorch's Python reference ops, whose first use imports sympy, seconds of start-up."""
+    device (the checkpoint fills them); 8-bit weights and their scales keep their own dtype. Made with
+    torch.empty: Module.to_empty's empty_like of meta tensors goes through PyTorch's Python reference ops, whose
+    first use imports sympy, seconds of start-up."""
     for module in model.modules():
+        keeps = getattr(module, "KEEPS_DTYPE", ())
         for name, param in list(module.named_parameters(recurse=False)):
-            storage = torch.empty(param.shape, dtype=dtype, device=device)
+            storage = torch.empty(param.shape, dtype=param.dtype if name in keeps else dtype, device=device)
             module.register_parameter(name, torch.nn.Parameter(storage, requires_grad=param.requires_grad))
         for name, buffer in list(module.named_buffers(recurse=False)):
             if buffer.is_meta:
@@ -82,7 +117,7 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _load_weights(model: LlamaForCausalLM, path: Path) -> set[str]:
+def _load_weights(model: LlamaForCausalLM, path: Path, scheme: WeightQuantization | None) -> set[str]:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     files = weight_files(path)
@@ -92,9 +127,7 @@ def _load_weights(model: LlamaForCausalLM, path: Path) -> set[str]:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
                     tensor = f.get_tensor(name)
-                    target = _place(model, params, name, tensor)
-                    if target:
-                        loaded.add(target)
+                    loaded.update(_place(model, params, name, tensor, scheme))
                     progress.advance(tensor.numel() * tensor.element_size(), index)
         except (OSError, SafetensorError) as e:
             raise ValueError(f"cannot read weights file {file}: {e}") from e
@@ -134,21 +167,81 @@ class LoadProgress:
             log.info("loaded %.1f GiB of weights in %.1f s", self.done_bytes / GIB, time.monotonic() - self.started)
 
 
-def _place(model: LlamaForCausalLM, params: dict, name: str, tensor: torch.Tensor) -> str | None:
-    """Copies one checkpoint tensor into its parameter (or its slice of a fused one); returns the parameter name."""
-    if _IGNORED.match(name):
-        return None
+def _place(
+    model: LlamaForCausalLM, params: dict, name: str, tensor: torch.Tensor, scheme: WeightQuantization | None
+) -> list[str]:
+    """Copies one checkpoint tensor into its parameter (or its slice of a fused one); returns the names of the
+    parameters (or "name#part" slices) it filled."""
+    if _IGNORED.match(name) or (scheme is not None and _QUANT_IGNORED.match(name)):
+        return []
     if name == "lm_head.weight" and model.lm_head is None:
-        return None  # tied embeddings: some checkpoints still store the copy
+        return []  # tied embeddings: some checkpoints still store the copy
+    if name.endswith(".weight_packed"):
+        name = name.removesuffix("_packed")
     ours, part = _our_name(name)
     if ours not in params:
         log.warning("ignoring unexpected weight %s", name)
-        return None
-    param = params[ours]
-    dest = param.data if part is None else _fused_slice(model, ours, param.data, part)
+        return []
+    module = model.get_submodule(ours.rpartition(".")[0])
+    if isinstance(module, QuantizedLinear):
+        return _place_quantized(model, module, ours, part, name, tensor, scheme)
+    if tensor.dtype in _EIGHT_BIT and tensor.dtype != params[ours].dtype:
+        raise ValueError(
+            f"weight {name} is stored in {tensor.dtype} but config.json has no quantization_config that covers it"
+        )
+    _copy_into(model, params[ours].data, ours, part, name, tensor)
+    return [_slice_name(ours, part)]
+
+
+def _place_quantized(
+    model: LlamaForCausalLM,
+    module: QuantizedLinear,
+    ours: str,
+    part: int | None,
+    name: str,
+    tensor: torch.Tensor,
+    scheme: WeightQuantization | None,
+) -> list[str]:
+    assert scheme is not None
+    prefix, _, param_name = ours.rpartition(".")
+    scale_name = f"{prefix}.weight_scale"
+    if param_name == "weight" and scheme.online:
+        quantized, scale = quantize_per_channel(tensor, module.weight.dtype)
+        _copy_into(model, module.weight.data, ours, part, name, quantized)
+        _copy_into(model, module.weight_scale.data, scale_name, part, name, scale)
+        return [_slice_name(ours, part), _slice_name(scale_name, part)]
+    if param_name == "weight":
+        if scheme.packed:
+            shape = tuple(_destination(model, module.weight.data, ours, part).shape)
+            tensor = unpack_int8(tensor, shape)  # type: ignore[arg-type]
+        if tensor.dtype != module.weight.dtype:
+            raise ValueError(
+                f"weight {name} is stored in {tensor.dtype}, but quant_method {scheme.method} says "
+                f"{module.weight.dtype}"
+            )
+    elif param_name == "weight_scale":
+        channels = int(_destination(model, module.weight_scale.data, ours, part).shape[0])
+        if tensor.numel() not in (1, channels):
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}: neither per-tensor nor one per output channel")
+        tensor = tensor.to(torch.float32).reshape(-1, 1).expand(channels, 1)
+    _copy_into(model, getattr(module, param_name).data, ours, part, name, tensor)
+    return [_slice_name(ours, part)]
+
+
+def _destination(model: LlamaForCausalLM, data: torch.Tensor, ours: str, part: int | None) -> torch.Tensor:
+    return data if part is None else _fused_slice(model, ours, data, part)
+
+
+def _copy_into(
+    model: LlamaForCausalLM, data: torch.Tensor, ours: str, part: int | None, name: str, tensor: torch.Tensor
+) -> None:
+    dest = _destination(model, data, ours, part)
     if dest.shape != tensor.shape:
         raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
     dest.copy_(tensor)
+
+
+def _slice_name(ours: str, part: int | None) -> str:
     return ours if part is None else f"{ours}#{part}"
 
 

@@ -77,3 +77,10 @@ def test_an_unconstrained_request_still_continues_where_it_stopped(demo_model_di
     events, healthy = run(demo_model_dir, DyingUpstream(2, "dying"))
     assert healthy.bodies and "prompt" in healthy.bodies[0], "a continuation is a text completion of the prompt"
     assert any("retrying" in c for c in events)
+
+
+def test_a_request_with_tools_cut_mid_output_is_not_continued_as_plain_text(demo_model_dir):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    events, healthy = run(demo_model_dir, DyingUpstream(2, "dying"), tools=tools)
+    assert not healthy.bodies, "continued without its tool-call parsing"
+    assert events[-1]["error"]["code"] == "upstream_error"

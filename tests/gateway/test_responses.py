@@ -104,7 +104,7 @@ def test_parameters_we_do_not_serve_are_refused_by_name(client, embedded):
         client.responses.create(
             model=MODEL,
             input="Hi",
-            tools=[{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}],
+            tools=[{"type": "web_search_preview"}],  # function tools are served: tests/tool_calling
         )
     assert refused.value.body["param"] == "tools"
     response = httpx.post(

@@ -7,14 +7,17 @@ run unchanged.
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import jinja2
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tokenfleet.api.errors import bad_request
 from tokenfleet.api.structured_output import StructuredOutputFields
-from tokenfleet.engine.request import SamplingParams
+from tokenfleet.api.tool_parsers import format_for_template
+from tokenfleet.api.tool_parsers.format import ToolFormat
+from tokenfleet.api.tools import ToolFields, arguments_object
+from tokenfleet.engine.request import SamplingParams, StructuredOutput
 
 MAX_N = 128
 # One request's fan-out: every choice is an engine request and a stream the gateway relays, so a single request
@@ -107,11 +110,54 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class MessageToolCall(BaseModel):
+    """A call an assistant message made, as a client sends it back in the history."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+# variables a template gets from the request itself, which chat_template_kwargs may not replace
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "chat_template")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool result's: the call it answers
+    reasoning_content: str | None = None  # an assistant's thinking, for templates that keep it
+
+    @model_validator(mode="after")
+    def _tool_result_names_its_call(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message with role 'tool' needs the tool_call_id of the call it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
+
+    def template_message(self, tool_format: ToolFormat | None) -> dict:
+        """The message as chat templates read it (transformers' conventions: arguments as a mapping)."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [_template_call(call, tool_format) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = _history_id(self.tool_call_id, tool_format)
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
+        return message
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -124,23 +170,62 @@ class ChatMessage(BaseModel):
         return "".join(p.text or "" for p in self.content)
 
 
-class ChatCompletionRequest(_SamplingFields):
+def _template_call(call: MessageToolCall, tool_format: ToolFormat | None) -> dict:
+    function = {"name": call.function.name, "arguments": arguments_object(call.function.arguments)}
+    return {"id": _history_id(call.id, tool_format), "type": "function", "function": function}
+
+
+def _history_id(call_id: str, tool_format: ToolFormat | None) -> str:
+    return tool_format.history_id(call_id) if tool_format is not None else call_id
+
+
+class ChatCompletionRequest(_SamplingFields, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # variables for the template, e.g. {"enable_thinking": false}
 
-    def template_messages(self) -> list[dict]:
-        return [
-            {
-                "role": "system" if m.role == "developer" else m.role,
-                "content": m.text(),
-                **({"name": m.name} if m.name else {}),
-            }
-            for m in self.messages
-        ]
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(set(value or {}) & set(RESERVED_TEMPLATE_VARIABLES))
+        if reserved:
+            raise ValueError(f"{', '.join(reserved)} come from the request itself, not from chat_template_kwargs")
+        return value
+
+    def template_messages(self, tool_format: ToolFormat | None = None) -> list[dict]:
+        return [m.template_message(tool_format) for m in self.messages]
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as the template renders them (OpenAI's shape, which chat templates are written for)."""
+        return self.tools or None
+
+    def render_chat(self, tokenizer) -> list[int]:
+        """The prompt: the model's chat template over the messages, with the tools and chat_template_kwargs."""
+        tools = self.template_tools()
+        tool_format = format_for_template(tokenizer.template_source(tools is not None))
+        return tokenizer.encode_chat(
+            self.template_messages(tool_format),
+            add_generation_prompt=self.add_generation_prompt,
+            tools=tools,
+            **(self.chat_template_kwargs or {}),
+        )
+
+    def structured_output(self) -> StructuredOutput | None:
+        """Also checks the tools (wherever the request is validated for our replicas): a forced call's grammar takes
+        the place of a structured output, so both at once is a 400."""
+        spec = super().structured_output()
+        tools = self.tool_request()
+        if tools is not None and tools.forced and spec is not None:
+            raise bad_request(
+                f"tool_choice: {self.tool_choice if isinstance(self.tool_choice, str) else 'a named function'} "
+                "makes the model call a tool, which a response_format or structured output cannot constrain too",
+                param="tool_choice",
+            )
+        return spec
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -234,7 +319,7 @@ async def prompt_token_ids_off_loop(req: ChatCompletionRequest | CompletionReque
 
 def _text_chars(req: ChatCompletionRequest | CompletionRequest) -> int:
     if isinstance(req, ChatCompletionRequest):
-        return sum(len(m.text()) for m in req.messages)
+        return sum(len(m.text()) for m in req.messages) + (len(str(req.tools)) if req.tools else 0)
     prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
     return sum(len(p) for p in prompts if isinstance(p, str))
 
@@ -246,8 +331,12 @@ def prompt_token_ids(req: ChatCompletionRequest | CompletionRequest, tokenizer) 
         if tokenizer is None:
             raise bad_request("this server has no tokenizer; use /v1/completions with token ids")
         try:
-            return [tokenizer.encode_chat(req.template_messages(), add_generation_prompt=req.add_generation_prompt)]
-        except (ValueError, jinja2.TemplateError) as e:  # e.g. the template's raise_exception on a conversation
+            return [req.render_chat(tokenizer)]
+        except (
+            ValueError,
+            TypeError,
+            jinja2.TemplateError,
+        ) as e:  # e.g. the template's raise_exception on a conversation
             raise bad_request(f"the model's chat template refused these messages: {e}", param="messages") from e
     prompts = []
     for prompt in req.prompts():

@@ -1,4 +1,5 @@
-"""Engine outputs rendered as OpenAI objects: chat.completion(.chunk) and text_completion, usage, logprobs."""
+"""Engine outputs rendered as OpenAI objects: chat.completion(.chunk) and text_completion, usage, logprobs; a chat
+choice's text goes through its ChatOutput (reasoning and tool calls parsed out) on the way."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tokenfleet.api.chat_output import ChatOutput, MessageDelta
+from tokenfleet.api.chat_plan import ChatPlan
 from tokenfleet.api.usage import Usage
 from tokenfleet.engine.request import TokenLogprob
 from tokenfleet.model.tokenizer import Tokenizer
@@ -24,23 +27,57 @@ class Renderer:
     tokenizer: Tokenizer | None
     created: int = field(default_factory=lambda: int(time.time()))
     token_ids: bool = False  # vLLM's return_token_ids: every choice carries its generated token ids too
+    plan: ChatPlan = field(default_factory=ChatPlan)
+    outputs: dict[int, ChatOutput] = field(default_factory=dict)  # each chat choice's, fed as its text arrives
 
     @property
     def object_name(self) -> str:
         return "chat.completion" if self.kind == "chat" else "text_completion"
 
+    @property
+    def reasoning_tokens(self) -> int:
+        return sum(output.reasoning_tokens for output in self.outputs.values())
+
+    def follow(self, index: int, out: RequestOutput) -> MessageDelta:
+        """What one engine output adds to chat choice `index`'s message."""
+        output = self.outputs.get(index)
+        if output is None:
+            output = self.outputs[index] = self.plan.output()
+        delta = output.feed(out.new_text, len(out.new_token_ids))
+        if out.finished:
+            delta.extend(output.finish())
+        return delta
+
     def chunk(self, index: int, out: RequestOutput, first: bool) -> dict:
         """A streamed chunk carrying what one engine output added to choice `index`."""
         choice: dict = {"index": index, "logprobs": self.logprobs(out.new_logprobs), "finish_reason": None}
         if self.kind == "chat":
-            choice["delta"] = {"role": "assistant", "content": out.new_text} if first else {"content": out.new_text}
+            choice["delta"] = self._delta(self.follow(index, out), first)
         else:
             choice["text"] = out.new_text
         if out.finished:
-            choice["finish_reason"] = out.finish_reason
+            choice["finish_reason"] = self._finish_reason(index, out.finish_reason)
         if self.token_ids:
             choice["token_ids"] = list(out.new_token_ids)
         return self._envelope(self.object_name + ("" if self.kind == "text" else ".chunk"), [choice])
+
+    def _delta(self, delta: MessageDelta, first: bool) -> dict:
+        out: dict = {"role": "assistant"} if first else {}
+        # text a parser holds back (a tool call's or thinking's tag, maybe) makes an empty delta, as OpenAI's
+        if delta.content or not (self.plan.parses or delta.reasoning or delta.tool_calls):
+            out["content"] = delta.content
+        if delta.reasoning:
+            out["reasoning_content"] = delta.reasoning
+        if delta.tool_calls:
+            out["tool_calls"] = [call.as_dict() for call in delta.tool_calls]
+        return out
+
+    def _finish_reason(self, index: int, reason: str | None) -> str | None:
+        """OpenAI's "tool_calls" for a choice that stopped after calling."""
+        output = self.outputs.get(index)
+        if reason == "stop" and output is not None and output.tool_calls:
+            return "tool_calls"
+        return reason
 
     def usage_chunk(self, usage: Usage) -> dict:
         return {
@@ -52,15 +89,35 @@ class Renderer:
         """The whole non-streamed response; finals[i] is choice i's final output."""
         choices = []
         for index, out in enumerate(finals):
-            choice: dict = {"index": index, "logprobs": self.logprobs(out.logprobs), "finish_reason": out.finish_reason}
+            choice: dict = {
+                "index": index,
+                "logprobs": self.logprobs(out.logprobs),
+                "finish_reason": self._finish_reason(index, out.finish_reason),
+            }
             if self.kind == "chat":
-                choice["message"] = {"role": "assistant", "content": out.text}
+                choice["message"] = self._message(index, out)
             else:
                 choice["text"] = out.text
             if self.token_ids:
                 choice["token_ids"] = list(out.token_ids)
             choices.append(choice)
         return {**self._envelope(self.object_name, choices), "usage": usage.as_dict()}
+
+    def _message(self, index: int, out: RequestOutput) -> dict:
+        output = self.outputs.get(index)
+        if output is None:  # never fed (no output reached the renderer): the final text as it is
+            output = self.outputs[index] = self.plan.output()
+            output.feed(out.text, len(out.token_ids))
+            output.finish()
+        calls = output.tool_calls
+        message: dict = {"role": "assistant", "content": output.content if output.content or not calls else None}
+        if self.plan.reasoning_start is not None:
+            message["reasoning_content"] = output.reasoning_text or None
+        if calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+            ]
+        return message
 
     def logprobs(self, entries: list[TokenLogprob]) -> dict | None:
         if not entries:

@@ -1,5 +1,5 @@
 """OpenAI request parameters that this engine does not serve. Accepting them with a 200 and ignoring them is the
-worst answer (an agent's tools silently never called), so a replica of ours refuses each by name with OpenAI's
+worst answer (an agent's functions silently never called), so a replica of ours refuses each by name with OpenAI's
 400. The gateway does not check them: to an external OpenAI-compatible replica (vLLM, SGLang) they pass as sent."""
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ from tokenfleet.api.errors import bad_request
 # parameter -> whether a value asks for something (a default or empty value asks for nothing)
 Asks = Callable[[object], bool]
 _ANY: Asks = lambda value: value not in (None, False, [], {}, "")  # noqa: E731
+# tools, tool_choice and parallel_tool_calls are served (api/tools.py); the deprecated functions API is not
 CHAT: dict[str, Asks] = {
-    "tools": _ANY,
-    "tool_choice": lambda value: value not in (None, "none", "auto"),
     "functions": _ANY,
     "function_call": lambda value: value not in (None, "none", "auto"),
     "logit_bias": _ANY,

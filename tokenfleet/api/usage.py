@@ -13,6 +13,7 @@ class Usage:
     completion_tokens: int = 0
     cached_tokens: int = 0
     engine_s: float = 0.0  # the replica's busy time spent on it; the gateway meters it and keeps it from clients
+    reasoning_tokens: int = 0  # of completion_tokens, those of the model's thinking
 
     @property
     def total_tokens(self) -> int:
@@ -20,13 +21,16 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
     def for_client(self) -> dict:
-        """OpenAI's usage object."""
-        return {
+        """OpenAI's usage object (with completion_tokens_details where the model thought, as vLLM sends it)."""
+        usage: dict = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.total_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+        if self.reasoning_tokens:
+            usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
+        return usage
 
     def as_dict(self) -> dict:
         """On the wire from a replica to the gateway: OpenAI's object and the engine time."""
@@ -42,11 +46,13 @@ class Usage:
         if not isinstance(value, dict) or not value:
             return None
         details = value.get("prompt_tokens_details")
+        completion_details = value.get("completion_tokens_details")
         return cls(
             _count(value.get("prompt_tokens")),
             _count(value.get("completion_tokens")),
             _count(details.get("cached_tokens")) if isinstance(details, dict) else 0,
             _seconds(value.get("engine_s")),
+            _count(completion_details.get("reasoning_tokens")) if isinstance(completion_details, dict) else 0,
         )
 
     @classmethod

@@ -147,7 +147,7 @@ class Engine:
             req.grammar = self.grammars.matcher(params.structured_output)
         detok = None
         if self.tokenizer is not None and params.detokenize:
-            detok = StopStringMatcher.for_request(self.tokenizer, token_ids, params.stop)
+            detok = StopStringMatcher.for_request(self.tokenizer, token_ids, params.stop, params.skip_special_tokens)
         self.tracked[request_id] = _Tracked(req, detok)
         self.scheduler.add(req)
         return req

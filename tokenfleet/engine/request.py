@@ -87,6 +87,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     detokenize: bool = True  # False: token ids only (no text, no stop strings), as in vLLM
     structured_output: StructuredOutput | None = None  # the output must match it (vLLM's structured_outputs)
+    skip_special_tokens: bool = True  # False: special tokens are in the text (a tool-call format that starts with one)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

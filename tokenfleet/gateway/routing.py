@@ -78,10 +78,13 @@ class RoutedRequest:
     trace: trace.Span | None = None  # each attempt's span goes under it
 
     def constrained(self) -> bool:
-        """Whether a grammar constrains the output (a continuation as a text completion would drop it)."""
+        """Whether the output is more than text: a grammar constrains it, or tool calls are parsed from it (a
+        continuation as a text completion would drop both)."""
         fmt = self.body.get("response_format")
         typed = isinstance(fmt, dict) and fmt.get("type") not in (None, "text")
-        return typed or any(self.body.get(name) is not None for name in STRUCTURED_FIELDS)
+        # tools: the replica parses its calls from the whole output, and may force one with a grammar
+        tools = bool(self.body.get("tools")) and self.body.get("tool_choice") != "none"
+        return typed or tools or any(self.body.get(name) is not None for name in STRUCTURED_FIELDS)
 
     def started(self) -> bool:
         return bool(self.generated) or bool(self.generated_ids)

@@ -258,6 +258,14 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return self.chat_templates.get("default")
 
+    def template_source(self, with_tools: bool = False) -> str | None:
+        """The Jinja source a chat without a named template renders with (the "tool_use" one when there are tools,
+        where a checkpoint has it); None when it has none."""
+        try:
+            return self._pick_template(None, [] if with_tools else None)
+        except ValueError:
+            return None
+
     def _pick_template(self, name_or_source: str | None, tools: Any) -> str:
         if name_or_source is not None:
             return self.chat_templates.get(name_or_source, name_or_source)

@@ -104,8 +104,3 @@ class ChoiceStream:
     @property
     def num_choices(self) -> int:
         return len(self.prompts) * self.n
-
-    async def collect(self) -> list[RequestOutput]:
-        async for _ in self:
-            pass
-        return [self.finals[i] for i in range(self.num_choices)]

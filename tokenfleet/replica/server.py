@@ -13,11 +13,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 
 from tokenfleet import tracing
+from tokenfleet.api.chat_plan import ChatPlan, plan_chat
 from tokenfleet.api.errors import bad_request, not_found
 from tokenfleet.api.http import install_error_handler, read_json, until_disconnect
 from tokenfleet.api.protocol import ChatCompletionRequest, CompletionRequest, parse, prompt_token_ids_off_loop
 from tokenfleet.api.render import Renderer
 from tokenfleet.api.sse import SSE_HEADERS, sse_event
+from tokenfleet.api.tools import tools_error
 from tokenfleet.api.unsupported import reject_unsupported
 from tokenfleet.engine.async_engine import AsyncEngine
 from tokenfleet.engine.structured import GrammarError
@@ -45,7 +47,10 @@ class ReplicaService:
             req = parse(ChatCompletionRequest, body)
             self.check_model(req.model)
             prompts = await prompt_token_ids_off_loop(req, self.engine.tokenizer)
-            stream, renderer = self.start("chat", prompts, req, req.requested_max_tokens(), req.requested_logprobs())
+            plan = plan_chat(req, self.engine.tokenizer, prompts[0])
+            stream, renderer = self.start(
+                "chat", prompts, req, req.requested_max_tokens(), req.requested_logprobs(), plan
+            )
             return req, stream, renderer
         req = parse(CompletionRequest, body)
         self.check_model(req.model)
@@ -64,15 +69,22 @@ class ReplicaService:
             )
 
     def start(
-        self, kind: str, prompts: list[list[int]], req, max_tokens: int | None, logprobs: int | None
+        self,
+        kind: str,
+        prompts: list[list[int]],
+        req,
+        max_tokens: int | None,
+        logprobs: int | None,
+        plan: ChatPlan | None = None,
     ) -> tuple[ChoiceStream, Renderer]:
         """Validates every prompt against the engine's limits, then starts the engine requests."""
-        params = req.sampling_params(max_tokens, logprobs)
+        plan = plan or ChatPlan()
+        params = plan.sampling(req.sampling_params(max_tokens, logprobs))
         for prompt in prompts:
             try:
                 self.engine.validate(prompt, params)
             except GrammarError as e:
-                raise req.structured_output_error(e) from e
+                raise (tools_error(e) if plan.grammar is not None else req.structured_output_error(e)) from e
             except ValueError as e:
                 raise bad_request(str(e), param="messages" if kind == "chat" else "prompt") from e
         # the gateway's id when it sent one (x-request-id): one id for the request from the gateway to the engine
@@ -88,7 +100,10 @@ class ReplicaService:
             max_tokens,
             req.priority,
         )
-        return stream, Renderer(kind, request_id, req.model, self.engine.tokenizer, token_ids=req.return_token_ids)
+        renderer = Renderer(
+            kind, request_id, req.model, self.engine.tokenizer, token_ids=req.return_token_ids, plan=plan
+        )
+        return stream, renderer
 
     async def chunks(
         self, stream: ChoiceStream, renderer: Renderer, include_usage: bool, continuous_usage: bool = False
@@ -98,6 +113,7 @@ class ReplicaService:
         try:
             async for index, out in stream:
                 chunk = renderer.chunk(index, out, first=index not in started)
+                stream.usage.reasoning_tokens = renderer.reasoning_tokens
                 if continuous_usage:
                     chunk["usage"] = stream.usage.as_dict()
                 yield chunk
@@ -117,10 +133,13 @@ class ReplicaService:
     async def respond(self, stream: ChoiceStream, renderer: Renderer) -> dict:
         arrival = time.monotonic()
         try:
-            finals = await stream.collect()
+            async for index, out in stream:
+                if renderer.kind == "chat":
+                    renderer.follow(index, out)  # the message is parsed as it arrives, exactly as when streamed
+            stream.usage.reasoning_tokens = renderer.reasoning_tokens
         finally:
             self._observe(stream, arrival)
-        return renderer.response(finals, stream.usage)
+        return renderer.response([stream.finals[i] for i in range(stream.num_choices)], stream.usage)
 
     def _observe(self, stream: ChoiceStream, arrival: float) -> None:
         gaps = stream.gaps  # the whole stream's: observed once, not once per choice (n x the work, n x the count)

@@ -26,14 +26,30 @@ class StoredResponse:
     body: dict  # the response object
 
     def turn(self) -> list[dict]:
-        """What the next response of the chain sees of this one: its input, then its reply."""
-        reply = "".join(
-            part.get("text", "")
-            for item in self.body.get("output", [])
-            if item.get("type") == "message"
-            for part in item.get("content", [])
-        )
-        return [*self.messages, {"role": "assistant", "content": reply}]
+        """What the next response of the chain sees of this one: its input, then its reply (its text, and the
+        function calls it made as the reply's tool_calls)."""
+        output = self.body.get("output", [])
+        reply: dict = {
+            "role": "assistant",
+            "content": "".join(
+                part.get("text", "")
+                for item in output
+                if item.get("type") == "message"
+                for part in item.get("content", [])
+            ),
+        }
+        calls = [
+            {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
+            for item in output
+            if item.get("type") == "function_call"
+        ]
+        if calls:
+            reply["tool_calls"] = calls
+        return [*self.messages, reply]
 
 
 class ResponseStore:

@@ -2,7 +2,7 @@
 """Quota decisions per second: how many reserve + reconcile pairs one gateway process gets through against Redis,
 and what latency a decision adds. Run by hand, never from the test suite:
 
-    python bench/quota_decisions.py                       # 300 tenants, 64 pairs in flight, 3 x 5 s, medians
+    python bench/quota_decisions.py                       # 300 tenants, 1/16/64 pairs in flight, 3 x 5 s, medians
     python bench/quota_decisions.py --seconds 2 --repeats 1 --concurrency 1,64
 
 Workload: --tenants organisations with 10 users each; every pair picks a random (organisation, user), reserves
@@ -10,8 +10,11 @@ Workload: --tenants organisations with 10 users each; every pair picks a random 
 the full charge path runs), then reconciles with a random 10-100 % of it. --concurrency such pairs run at once in
 one asyncio process (one RedisQuota, a pool of --pool connections). Reported per run: pairs/s (one decision and
 its settlement = two script calls), p50/p99 of the reserve and of the reconcile call, the server time per script
-call (Redis INFO commandstats, evalsha), and "other CPU": machine CPU time not used by this process or by
-redis-server during the window, as a share of all cores (other work on a shared machine; above ~0.1, rerun).
+call (Redis INFO commandstats, evalsha), the CPU time this process spent per pair (the benchmark's own loop
+included: what caps one gateway core, and the figure least disturbed by other work on the machine), script calls
+per round trip to Redis (RedisQuota batches the calls of one event-loop tick), and "other CPU": machine CPU time
+not used by this process or by redis-server during the window, as a share of all cores (other work on a shared
+machine; above ~0.1, rerun).
 
 Ceilings on the same machine, same concurrency:
   memory     MemoryQuota: the same decisions in process, no network (the cost of the quota code itself)
@@ -37,6 +40,7 @@ from pathlib import Path
 
 import redis
 import redis.asyncio as aioredis
+import redis.utils
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -63,11 +67,12 @@ class Window:
         return _machine_busy_ticks(), mine
 
     def __enter__(self) -> Window:
-        self.t0, self.ticks0 = time.perf_counter(), self._ticks()
+        self.t0, self.ticks0, self.cpu0 = time.perf_counter(), self._ticks(), time.process_time()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.wall = time.perf_counter() - self.t0
+        self.cpu = time.process_time() - self.cpu0
         machine, mine = (b - a for a, b in zip(self.ticks0, self._ticks()))
         self.other_cpu = (machine - mine) / os.sysconf("SC_CLK_TCK") / (self.wall * os.cpu_count())
 
@@ -137,9 +142,14 @@ def measure(
             return await raw_evalsha(args.url, args.pool, concurrency, args.seconds)
         quota = MemoryQuota() if kind == "memory" else RedisQuota.from_url(args.url, prefix, max_connections=args.pool)
         try:
-            return await pairs(quota, args.tenants, concurrency, args.seconds, seed)
+            result = await pairs(quota, args.tenants, concurrency, args.seconds, seed)
         finally:
             await quota.close()
+        batcher = getattr(getattr(quota, "store", None), "batcher", None)  # none before batching (issue 25)
+        if batcher is not None:
+            calls = len(result["reserve_ms"]) + len(result["reconcile_ms"])
+            result["per_trip"] = calls / max(1, batcher.batches)
+        return result
 
     calls0, usec0 = evalsha_stats(sync)
     with Window(redis_pid) as window:
@@ -149,6 +159,7 @@ def measure(
         kind=kind,
         concurrency=concurrency,
         wall=window.wall,
+        cpu_us=window.cpu / max(1, result["decisions"]) * 1e6,
         other_cpu=window.other_cpu,
         server_us=(usec1 - usec0) / max(1, calls1 - calls0) if kind != "memory" else None,
     )
@@ -168,6 +179,8 @@ def summarize(runs: list[dict]) -> dict:
         "reconcile_p50": med(percentile(r["reconcile_ms"], 0.5) for r in runs) if runs[0]["reconcile_ms"] else None,
         "reconcile_p99": med(percentile(r["reconcile_ms"], 0.99) for r in runs) if runs[0]["reconcile_ms"] else None,
         "server_us": med(r["server_us"] for r in runs) if runs[0]["server_us"] is not None else None,
+        "cpu_us": med(r["cpu_us"] for r in runs),
+        "per_trip": med(r["per_trip"] for r in runs) if "per_trip" in runs[0] else None,
         "other_cpu": [round(r["other_cpu"], 2) for r in runs],
     }
 
@@ -193,15 +206,17 @@ def fmt(value: float | None, spec: str) -> str:
 def report(rows: list[dict]) -> None:
     print(
         "| backend | in flight | pairs/s (decision + reconcile) | reserve p50 / p99 ms | reconcile p50 / p99 ms "
-        "| Redis time per script call | refused | other CPU per run |"
+        "| Redis time per script call | CPU per pair (this process) | calls per round trip | refused "
+        "| other CPU per run |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for s in rows:
         label = "redis-py EVALSHA `return 1` (calls/s)" if s["kind"] == "redis-py" else s["kind"]
         print(
             f"| {label} | {s['concurrency']} | {s['per_s']:.0f} | {fmt(s['reserve_p50'], '.2f')} / "
             f"{fmt(s['reserve_p99'], '.2f')} | {fmt(s['reconcile_p50'], '.2f')} / {fmt(s['reconcile_p99'], '.2f')} "
-            f"| {fmt(s['server_us'], '.1f')} us | {s['refused']:.1%} | {s['other_cpu']} |"
+            f"| {fmt(s['server_us'], '.1f')} us | {s['cpu_us']:.0f} us | {fmt(s['per_trip'], '.1f')} "
+            f"| {s['refused']:.1%} | {s['other_cpu']} |"
         )
 
 
@@ -209,7 +224,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="redis://127.0.0.1:6379")
     parser.add_argument("--tenants", type=int, default=300)
-    parser.add_argument("--concurrency", default="1,64", help="pairs in flight, comma separated")
+    parser.add_argument("--concurrency", default="1,16,64", help="pairs in flight, comma separated")
     parser.add_argument("--pool", type=int, default=16, help="Redis connections (RedisQuota.from_url default)")
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--repeats", type=int, default=3)
@@ -230,8 +245,9 @@ def main() -> None:
         keys = list(sync.scan_iter(match=prefix + "*", count=5000))
         for i in range(0, len(keys), 1000):
             sync.delete(*keys[i : i + 1000])
+    parser_name = "hiredis" if redis.utils.HIREDIS_AVAILABLE else "pure-Python"
     print(
-        f"python {sys.version.split()[0]}, redis-py {redis.__version__}, redis-server "
+        f"python {sys.version.split()[0]}, redis-py {redis.__version__} ({parser_name} reply parser), redis-server "
         f"{sync.info('server')['redis_version']}, {os.cpu_count()} cores, {args.tenants} tenants x 10 users, "
         f"pool {args.pool}, {args.repeats} x {args.seconds:g} s per row (medians)\n"
     )

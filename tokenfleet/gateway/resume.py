@@ -1,6 +1,7 @@
 """The resume buffer: every event of a stream, kept for a few minutes so a client that reconnects with
 Last-Event-ID gets what it missed, exactly once, then the live events. In memory when embedded; a capped,
-expiring Redis Stream per request in a fleet (so any gateway can resume any stream)."""
+expiring Redis Stream per request in a fleet (so any gateway can resume any stream). In Redis, the events that all
+streams write within one event-loop tick go in one script call (one round trip), in the order they were written."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from tokenfleet.api.errors import APIError
 from tokenfleet.api.usage import Usage
 from tokenfleet.gateway.formats import ending_with_error
 from tokenfleet.metering.outage import raise_if_cancelled
+from tokenfleet.quota.batcher import TickBatcher
+from tokenfleet.quota.redis_client import Script, ScriptCall, run_scripts
 
 logger = logging.getLogger(__name__)
 REDIS_FAILURES = (RedisError, OSError, asyncio.TimeoutError)  # every way a Redis call can fail for want of Redis
@@ -199,6 +202,45 @@ class MemoryResumeBuffer:
 
 
 LOST = "the gateway relaying this request stopped before the generation finished; the rest of it was lost"
+MAX_WRITES = 512  # events per script call; more in one tick go in several calls at once
+
+# The writes of one tick, in order, as one atomic call. KEYS: each write's stream (one stream may come more than
+# once), then this gateway's alive key when ARGV[3] > 0. ARGV: ttl_s, max events (approximate MAXLEN), alive lease
+# ms (0: none), then per write its number of field arguments and the fields (name, value, ...). The alive key is
+# set first: a stream never names a gateway not marked alive. Returns per write 1, or the error that refused it.
+APPEND = Script(
+    r"""
+local ttl, maxlen, alive_ms = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local writes = #KEYS
+if alive_ms > 0 then
+  redis.call('SET', KEYS[writes], '1', 'PX', alive_ms)
+  writes = writes - 1
+end
+local out, at, touched = {}, 4, {}
+for k = 1, writes do
+  local n = tonumber(ARGV[at])
+  local added = redis.pcall('XADD', KEYS[k], 'MAXLEN', '~', maxlen, '*', unpack(ARGV, at + 1, at + n))
+  if type(added) == 'table' and added.err then
+    out[k] = added.err
+  else
+    out[k] = 1
+    if not touched[KEYS[k]] then
+      touched[KEYS[k]] = true
+      redis.call('EXPIRE', KEYS[k], ttl)
+    end
+  end
+  at = at + n + 1
+end
+return out
+"""
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Write:
+    key: str
+    fields: list[str | int]  # name, value, name, value, ...
+    mark_alive: bool = False
 
 
 class _RedisFollower:
@@ -290,6 +332,7 @@ class RedisResumeBuffer:
         self.max_events, self.block_ms = max_events, block_ms
         self.owner_lease_s = owner_lease_s
         self.gateway_id = uuid.uuid4().hex if owner_lease_s else ""
+        self._writes: TickBatcher[_Write] = TickBatcher(self._write, MAX_WRITES)
 
     def _key(self, request_id: str) -> str:
         return self.prefix + request_id
@@ -298,21 +341,21 @@ class RedisResumeBuffer:
         return f"{self.prefix}gateway-alive:{gateway_id}"
 
     async def open(self, request_id: str, owner: str = "", kind: str = "openai") -> None:
-        fields = {self.OPEN: owner, "format": kind}
+        fields: list[str | int] = [self.OPEN, owner, "format", kind]
         if self.gateway_id:
-            fields["gateway"] = self.gateway_id
+            fields += ["gateway", self.gateway_id]
         await self._add(request_id, fields, mark_alive=bool(self.gateway_id))
 
     async def append(self, request_id: str, event: StreamEvent) -> None:
-        fields = {"id": event.id, "data": event.data}
+        fields: list[str | int] = ["id", event.id, "data", event.data]
         if event.event is not None:
-            fields["event"] = event.event
+            fields += ["event", event.event]
         if event.usage is not None:
-            fields["usage"] = event.usage
+            fields += ["usage", event.usage]
         await self._add(request_id, fields)
 
     async def close(self, request_id: str) -> None:
-        await self._add(request_id, {self.END: 1})
+        await self._add(request_id, [self.END, 1])
 
     async def abandon(self, request_id: str, message: str) -> None:
         """Ends an existing stream with an error for its readers (its events could not all be kept here)."""
@@ -321,14 +364,24 @@ class RedisResumeBuffer:
             pipe.expire(self._key(request_id), self.ttl_s)
             await pipe.execute()
 
-    async def _add(self, request_id: str, fields: dict, mark_alive: bool = False) -> None:
-        key = self._key(request_id)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.xadd(key, fields, maxlen=self.max_events, approximate=True)
-            pipe.expire(key, self.ttl_s)
-            if mark_alive:  # also here, not only in keep_alive: a stream never names a gateway not marked alive
-                pipe.set(self._alive_key(self.gateway_id), 1, px=int(self.owner_lease_s * 1000))
-            await pipe.execute()
+    async def _add(self, request_id: str, fields: list[str | int], mark_alive: bool = False) -> None:
+        """Returns once Redis holds the event (raises when it does not): batched with the other streams' writes of
+        this tick. One stream's writes are awaited one by one by its relay, and a batch keeps the order of its
+        writes, so a stream's events are in Redis in the order they were written."""
+        await self._writes.submit(_Write(self._key(request_id), fields, mark_alive))
+
+    async def _write(self, writes: list[_Write]) -> list[object]:
+        keys, args = [w.key for w in writes], [self.ttl_s, self.max_events, 0]
+        if any(w.mark_alive for w in writes):  # also here, not only in keep_alive (see APPEND)
+            keys.append(self._alive_key(self.gateway_id))
+            args[2] = int(self.owner_lease_s * 1000)
+        for write in writes:
+            args.append(len(write.fields))
+            args.extend(write.fields)
+        [reply] = await run_scripts(self.redis, [ScriptCall(APPEND, keys, args)])
+        if isinstance(reply, Exception):
+            raise reply
+        return [None if status == 1 else ResponseError(_text(status)) for status in reply]
 
     async def owner(self, request_id: str) -> str | None:
         first = await self.redis.xrange(self._key(request_id), count=1)

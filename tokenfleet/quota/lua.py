@@ -8,10 +8,11 @@ current UTC day) and a zset of concurrency leases (request id -> lease expiry). 
 that day, so one (day, used) pair is all the daily budget needs; a reconcile for a past day leaves it alone.
 A hash expires once it would read the same as an absent one (buckets full again, the day's usage over).
 
-Limits travel as one argument per scope, "rpm tpm conc tpd" (-1: unlimited); the reply is one string of numbers
-("-": unlimited), printed with 17 digits so Python reads back exactly the doubles the script decided on and
-explains a refusal from the same values. (One string instead of an array: the pure-Python reply parser costs more
-per element than the script does.)
+Limits travel as four arguments per scope, rpm tpm conc tpd (-1: unlimited): four numbers cost the script a
+fraction of what parsing one string of them did. The reply is one string of numbers ("-": unlimited), printed with
+17 digits so Python reads back exactly the doubles the script decided on and explains a refusal from the same
+values; a value written or replied more than once is formatted once. (One string instead of an array: the reply
+parser costs more per element than the script does.)
 """
 
 from __future__ import annotations
@@ -27,10 +28,9 @@ local function num(x)
   if x == '-' then return x end
   return string.format('%.17g', x)
 end
-local function limits_of(s)
-  local t = {}
-  for x in string.gmatch(s, '%S+') do t[#t + 1] = tonumber(x) end
-  return t
+-- one scope's limits: the four arguments from ARGV[first]
+local function limits_at(first)
+  return {tonumber(ARGV[first]), tonumber(ARGV[first + 1]), tonumber(ARGV[first + 2]), tonumber(ARGV[first + 3])}
 end
 -- s: the slice's share of capacity and rate; a: integral of s over time (share-seconds). Not sliced: s = 1, a = now.
 local function share_of(key, now, s0, write)
@@ -61,8 +61,9 @@ local function read_scope(key, lim, s, a, day)
   end
   return st
 end
-local function write_scope(key, lim, st, s, a, now, day)
-  local fields, idle = {'a', num(a)}, 0
+-- a_text: num(a), formatted once per script call
+local function write_scope(key, lim, st, s, a_text, now, day)
+  local fields, idle = {'a', a_text}, 0
   for j = 1, 2 do
     if lim[j] > 0 then
       fields[#fields + 1] = (j == 1) and 'r' or 't'
@@ -81,7 +82,7 @@ end
 """
 
 # KEYS: per scope its hash and its lease zset; then the share hash when sliced.
-# ARGV: request_id, tokens, lease_s, n_scopes, initial share (0: not sliced), then per scope "rpm tpm conc tpd".
+# ARGV: request_id, tokens, lease_s, n_scopes, initial share (0: not sliced), then per scope rpm tpm conc tpd.
 # Returns "allowed now day share" then per scope "requests tokens live used" as seen before charging.
 RESERVE = (
     PRELUDE
@@ -97,13 +98,14 @@ if share_key then
   redis.call('HINCRBY', share_key, 'demand', math.max(tokens, 1))
   redis.call('EXPIRE', share_key, 2 * DAY)
 end
+local now_text = num(now)
 local ok, lims, seen = true, {}, {}
 for i = 1, n do
-  local lim = limits_of(ARGV[5 + i])
+  local lim = limits_at(2 + 4 * i)
   local st = read_scope(KEYS[2 * i - 1], lim, s, a, day)
   local live = '-'
   if lim[3] >= 0 then
-    redis.call('ZREMRANGEBYSCORE', KEYS[2 * i], '-inf', num(now))
+    redis.call('ZREMRANGEBYSCORE', KEYS[2 * i], '-inf', now_text)
     live = redis.call('ZCARD', KEYS[2 * i])
     if live >= lim[3] then ok = false end
   end
@@ -113,20 +115,22 @@ for i = 1, n do
   lims[i], seen[i] = lim, {st[1], st[2], live, st[3]}
 end
 if ok then
+  local a_text = now_text
+  if share_key then a_text = num(a) end
   for i = 1, n do
     local lim, v = lims[i], seen[i]
     local st = {v[1], v[2], v[4]}
     if lim[1] > 0 then st[1] = v[1] - 1 end
     if lim[2] > 0 then st[2] = v[2] - tokens end
     if lim[4] > 0 then st[3] = v[4] + tokens end
-    if lim[1] > 0 or lim[2] > 0 or lim[4] > 0 then write_scope(KEYS[2 * i - 1], lim, st, s, a, now, day) end
+    if lim[1] > 0 or lim[2] > 0 or lim[4] > 0 then write_scope(KEYS[2 * i - 1], lim, st, s, a_text, now, day) end
     if lim[3] > 0 then
       redis.call('ZADD', KEYS[2 * i], num(now + lease), request_id)
       redis.call('PEXPIRE', KEYS[2 * i], math.ceil((lease + 60) * 1000))
     end
   end
 end
-local out = {ok and 1 or 0, num(now), day, num(s)}
+local out = {ok and 1 or 0, now_text, day, num(s)}
 for i = 1, n do
   for j = 1, 4 do out[#out + 1] = num(seen[i][j]) end
 end
@@ -136,7 +140,7 @@ return table.concat(out, ' ')
 
 # KEYS: per scope its hash and its lease zset; then the request's "reconciled" marker; then the share hash when
 # sliced. ARGV: request_id, extra (used - reserved: < 0 refunds), day number charged, n_scopes, marker ttl s,
-# initial share, then per scope "rpm tpm conc tpd". Returns 1, or 0 when this request was reconciled before.
+# initial share, then per scope rpm tpm conc tpd. Returns 1, or 0 when this request was reconciled before.
 RECONCILE = (
     PRELUDE
     + r"""
@@ -147,13 +151,15 @@ local day = math.floor(now / DAY)
 local share_key = nil
 if s0 > 0 then share_key = KEYS[2 * n + 2] end
 local s, a = share_of(share_key, now, s0, true)
+local a_text = nil
 for i = 1, n do
-  local lim = limits_of(ARGV[6 + i])
+  local lim = limits_at(3 + 4 * i)
   if lim[2] > 0 or (lim[4] > 0 and charged_day == day) then
     local st = read_scope(KEYS[2 * i - 1], lim, s, a, day)
     if lim[2] > 0 then st[2] = math.min(lim[2] * s, st[2] - extra) end
     if lim[4] > 0 and charged_day == day then st[3] = math.max(0, st[3] + extra) end
-    write_scope(KEYS[2 * i - 1], lim, st, s, a, now, day)
+    a_text = a_text or num(a)
+    write_scope(KEYS[2 * i - 1], lim, st, s, a_text, now, day)
   end
   if lim[3] >= 0 then redis.call('ZREM', KEYS[2 * i], ARGV[1]) end
 end
@@ -163,7 +169,7 @@ return 1
 
 # More tokens for a running request. KEYS: per scope its hash; then the request's "reconciled" marker; then the share
 # hash when sliced. ARGV: at_least, at_most, day number charged, n_scopes, initial share, then per scope
-# "rpm tpm conc tpd". Grants what every scope's tokens bucket and (on the day the request was charged) daily budget
+# rpm tpm conc tpd. Grants what every scope's tokens bucket and (on the day the request was charged) daily budget
 # hold, up to at_most; nothing when that is under at_least or the request was reconciled. Returns the grant.
 EXTEND = (
     PRELUDE
@@ -178,19 +184,20 @@ if s0 > 0 then share_key = KEYS[n + 2] end
 local s, a = share_of(share_key, now, s0, true)
 local grant, lims, states = most, {}, {}
 for i = 1, n do
-  local lim = limits_of(ARGV[5 + i])
+  local lim = limits_at(2 + 4 * i)
   local st = read_scope(KEYS[i], lim, s, a, day)
   if lim[2] >= 0 then grant = math.min(grant, math.floor(st[2])) end
   if lim[4] >= 0 and charged_day == day then grant = math.min(grant, lim[4] - st[3]) end
   lims[i], states[i] = lim, st
 end
 if grant < least then return 0 end
+local a_text = num(a)
 for i = 1, n do
   local lim, st = lims[i], states[i]
   local daily = lim[4] > 0 and charged_day == day
   if lim[2] > 0 then st[2] = st[2] - grant end
   if daily then st[3] = st[3] + grant end
-  if lim[2] > 0 or daily then write_scope(KEYS[i], lim, st, s, a, now, day) end
+  if lim[2] > 0 or daily then write_scope(KEYS[i], lim, st, s, a_text, now, day) end
 end
 if share_key then
   redis.call('HINCRBY', share_key, 'demand', grant)
@@ -200,16 +207,16 @@ return grant
 """
 )
 
-# Read only. KEYS: the scope's hash, its zset[, the share hash]. ARGV: "rpm tpm conc tpd", initial share.
+# Read only. KEYS: the scope's hash, its zset[, the share hash]. ARGV: rpm tpm conc tpd, initial share.
 # Returns "share requests tokens live used".
 INSPECT = (
     PRELUDE
     + r"""
-local now, s0 = clock(), tonumber(ARGV[2])
+local now, s0 = clock(), tonumber(ARGV[5])
 local share_key = nil
 if s0 > 0 then share_key = KEYS[3] end
 local s, a = share_of(share_key, now, s0, false)
-local lim = limits_of(ARGV[1])
+local lim = limits_at(1)
 local st = read_scope(KEYS[1], lim, s, a, math.floor(now / DAY))
 local live = '-'
 if lim[3] >= 0 then live = redis.call('ZCOUNT', KEYS[2], '(' .. num(now), '+inf') end

@@ -1,12 +1,14 @@
 """The quota in Redis, shared by every gateway of a fleet: each reserve and each reconcile is one Lua script call
 (lua.py), all keys of a request under the tenant's hash tag, every key expiring once idle. Hot tenants are split
-into slices (slices.py)."""
+into slices (slices.py). Concurrent calls share round trips (redis_client.py); key names, slice plans and the
+limits' script arguments are made once per scope and kept, not made again on every call."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -31,6 +33,7 @@ from tokenfleet.quota.slices import SlicePlan
 RESERVE, RECONCILE, INSPECT = Script(lua.RESERVE), Script(lua.RECONCILE), Script(lua.INSPECT)
 EXTEND = Script(lua.EXTEND)
 CLOSE_WAIT_S = 2.0  # how long close() waits for rebalance tasks to stop
+CACHED_SCOPES = 65_536  # scopes whose key names are kept (least recently used beyond that are made again)
 log = logging.getLogger("tokenfleet.quota")
 
 
@@ -72,6 +75,8 @@ class RedisQuota:
         self.rebalancers: dict[str, Rebalancer] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._owns_client = owns_client
+        self._plans: dict[tuple[str, int | None], SlicePlan] = {}
+        self._scope_keys = functools.lru_cache(maxsize=CACHED_SCOPES)(self._make_scope_keys)
 
     @classmethod
     def from_url(
@@ -91,6 +96,14 @@ class RedisQuota:
         return cls(client, prefix, max_in_flight=max_connections, owns_client=True, **options)
 
     def plan(self, tenant: str, index: int | None = None) -> SlicePlan:
+        plan = self._plans.get((tenant, index))
+        if plan is None:
+            if len(self._plans) >= CACHED_SCOPES:
+                self._plans.clear()
+            plan = self._plans[(tenant, index)] = self._make_plan(tenant, index)
+        return plan
+
+    def _make_plan(self, tenant: str, index: int | None) -> SlicePlan:
         count = self.hot_tenants.get(tenant)
         if index is None and count:
             index = self.slice_index % count
@@ -98,8 +111,12 @@ class RedisQuota:
             return SlicePlan(tenant)
         return SlicePlan(tenant, index, count or index + 1, self.min_share)
 
-    def _keys(self, plan: SlicePlan, scope: Scope) -> list[str]:
-        return [self.store.key(plan.tag, scope.name, "q"), self.store.key(plan.tag, scope.name, "leases")]
+    def _keys(self, plan: SlicePlan, scope: Scope) -> tuple[str, str]:
+        """The scope's hash and lease zset in the plan's slice."""
+        return self._scope_keys(plan.tag, scope.name)
+
+    def _make_scope_keys(self, tag: str, name: str) -> tuple[str, str]:
+        return self.store.key(tag, name, "q"), self.store.key(tag, name, "leases")
 
     async def reserve(self, request_id: str, scopes: Sequence[Scope], tokens: int, tier: str = "default") -> Decision:
         scopes = check_reserve(request_id, scopes, tokens)
@@ -109,7 +126,7 @@ class RedisQuota:
         if plan.sliced:
             keys.append(self.store.key(plan.tag, "share"))
             self._start_rebalancer(plan)
-        args = [request_id, tokens, self._lease, len(scopes), _s0(plan), *map(_packed, limits)]
+        args = [request_id, tokens, self._lease, len(scopes), _s0(plan), *_limit_args(limits)]
         reply = text(await self.store.run(RESERVE, keys, args)).split(" ")
         allowed, now, day, share = reply[0] == "1", float(reply[1]), int(reply[2]), float(reply[3])
         states = []
@@ -136,7 +153,7 @@ class RedisQuota:
             len(reservation.scopes),
             self.marker_ttl_s,
             _s0(plan),
-            *(_packed(plan.limits(s.limits)) for s in reservation.scopes),
+            *_limit_args(plan.limits(s.limits) for s in reservation.scopes),
         ]
         await self.store.run(RECONCILE, keys, args)
 
@@ -153,7 +170,7 @@ class RedisQuota:
             day_number(reservation.day),
             len(reservation.scopes),
             _s0(plan),
-            *(_packed(plan.limits(s.limits)) for s in reservation.scopes),
+            *_limit_args(plan.limits(s.limits) for s in reservation.scopes),
         ]
         grant = int(await self.store.run(EXTEND, keys, args))
         return replace(reservation, tokens=reservation.tokens + grant) if grant else None
@@ -162,10 +179,10 @@ class RedisQuota:
         """What `scope` has left now in this gateway's slice (read only)."""
         plan = self.plan(scope.tenant)
         lim = plan.limits(scope.limits)
-        keys = self._keys(plan, scope)
+        keys = list(self._keys(plan, scope))
         if plan.sliced:
             keys.append(self.store.key(plan.tag, "share"))
-        reply = text(await self.store.run(INSPECT, keys, [_packed(lim), _s0(plan)])).split(" ")
+        reply = text(await self.store.run(INSPECT, keys, [*_limit_numbers(lim), _s0(plan)])).split(" ")
         rpm, tpm, live, used = map(_number, reply[1:5])
         conc, tpd = lim.concurrent_requests, lim.tokens_per_day
         return Remaining(
@@ -200,16 +217,22 @@ class RedisQuota:
             if stuck:
                 log.warning("quota: %d rebalance task(s) did not stop within %.0f s", len(stuck), CLOSE_WAIT_S)
         self._tasks.clear()
+        await self.store.close()
         if self._owns_client:
             await self.store.client.aclose()
 
 
-def _packed(lim: Limits) -> str:
-    """One scope's limits as the scripts take them: "rpm tpm conc tpd", -1 for unlimited."""
-    return " ".join(
-        "-1" if v is None else str(v)
+@functools.lru_cache(maxsize=4096)
+def _limit_numbers(lim: Limits) -> tuple[int, int, int, int]:
+    """One scope's limits as the scripts take them: rpm tpm conc tpd, -1 for unlimited."""
+    return tuple(  # type: ignore[return-value]
+        -1 if v is None else v
         for v in (lim.requests_per_minute, lim.tokens_per_minute, lim.concurrent_requests, lim.tokens_per_day)
     )
+
+
+def _limit_args(limits: Iterable[Limits]) -> list[int]:
+    return [number for lim in limits for number in _limit_numbers(lim)]
 
 
 def _number(value: str) -> float | None:

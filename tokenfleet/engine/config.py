@@ -4,7 +4,9 @@ flags. The engine owns this module; it imports nothing above the engine."""
 from __future__ import annotations
 
 import argparse
+import json
 import typing
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +16,76 @@ if TYPE_CHECKING:
 # vLLM's names. auto: the model's dtype; fp8 (= fp8_e4m3): 3 mantissa bits, range +-448; fp8_e5m2: 2 bits, +-57344
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 QUANTIZATIONS = ("fp8", "int8")  # on-line weight quantization at load (model/quantized.py)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, under vLLM's --speculative-config keys: `ngram` proposes the tokens that followed the
+    latest earlier occurrence of the sequence's last n tokens (prompt lookup, n from prompt_lookup_max down to
+    prompt_lookup_min); `draft_model` runs `model`, a smaller checkpoint with the target's vocabulary, k times per
+    step. Either way the target verifies every proposal in one forward pass, so the output is the target's own."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    model: str | None = None  # the draft checkpoint (draft_model only)
+
+    def __post_init__(self) -> None:
+        if self.method == "draft":  # accepted for brevity; vLLM's name is draft_model
+            object.__setattr__(self, "method", "draft_model")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config.method {self.method!r} is not supported; choose one of "
+                f"{', '.join(SPECULATIVE_METHODS)}"
+            )
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, "
+                f"got {k!r}"
+            )
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high):
+            raise ValueError(
+                "speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, "
+                f"got prompt_lookup_min={low!r}, prompt_lookup_max={high!r}"
+            )
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config.method draft_model needs `model`, the draft checkpoint's folder")
+        if self.method == "ngram" and self.model:
+            raise ValueError("speculative_config.model is for method draft_model; ngram takes no model")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | Mapping[str, Any] | str) -> SpeculativeConfig:
+        """From a SpeculativeConfig, a mapping (LLM(speculative_config={...})) or JSON text (the flag)."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, Mapping):
+            raise ValueError(f"speculative_config is a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown speculative_config key(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        if "model" in value and "method" not in value:  # as in vLLM: a model alone means a draft model
+            value = {**value, "method": "draft_model"}
+        return cls(**value)
+
+
+def _speculative_flag(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.parse(text)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 @dataclass
@@ -47,8 +119,19 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     threads: int = 0  # PyTorch threads; 0 = auto (servers: every usable core but one; offline: PyTorch's default)
     engine_process: bool = True  # servers: the engine steps in its own process, not on a thread beside the HTTP loop
+    speculative_config: SpeculativeConfig | None = field(
+        default=None,
+        metadata={
+            "parse": _speculative_flag,
+            "help": 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+            '"prompt_lookup_max": 4} or {"method": "draft_model", "model": DIR, "num_speculative_tokens": 4} '
+            "(default: off)",
+        },
+    )
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; choose one of {', '.join(KV_CACHE_DTYPES)}"
@@ -89,7 +172,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_required: bool =
             default = None if f.default is MISSING else f.default
             parser.add_argument(
                 flag,
-                type=base,
+                type=f.metadata.get("parse", base),
                 default=default,
                 choices=f.metadata.get("choices"),
                 help=f.metadata.get("help", f"default: {default}"),

@@ -10,13 +10,15 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
-from tokenfleet.engine.config import EngineConfig
+from tokenfleet.engine.config import EngineConfig, SpeculativeConfig
 from tokenfleet.engine.kv_blocks import KVBlockManager
 from tokenfleet.engine.limits import EngineLimits
+from tokenfleet.engine.rejection import Proposal, RejectionSampler, Verified
 from tokenfleet.engine.request import Request, SamplingParams, TokenLogprob
 from tokenfleet.engine.runner import ModelRunner
 from tokenfleet.engine.sampler import Sampler
-from tokenfleet.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tokenfleet.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from tokenfleet.engine.speculative import Proposer, Speculator
 from tokenfleet.engine.structured import GrammarCompiler
 from tokenfleet.model.config import ModelConfig, parse_dtype
 from tokenfleet.model.loader import load_model
@@ -24,6 +26,8 @@ from tokenfleet.model.tokenizer import StopStringMatcher, Tokenizer
 
 if TYPE_CHECKING:
     import torch
+
+    from tokenfleet.engine.draft import DraftModel
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -55,6 +59,7 @@ class StepStats:
 
     steps: int = 0
     schedule_s: float = 0.0
+    propose_s: float = 0.0  # speculative proposals (a draft model's passes)
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
@@ -62,7 +67,7 @@ class StepStats:
 
     @property
     def total_s(self) -> float:
-        return self.schedule_s + self.prepare_s + self.forward_s + self.sample_s + self.output_s
+        return self.schedule_s + self.propose_s + self.prepare_s + self.forward_s + self.sample_s + self.output_s
 
     def overhead_fraction(self) -> float:
         """Share of step time spent outside the model and the sampler: scheduling, batch preparation, outputs."""
@@ -76,6 +81,19 @@ class _Tracked:
     text: str = ""
 
 
+@dataclass
+class _Taken:
+    """What one step appended to one request, and why it ends, if it does (it is finished after the step's
+    accounting)."""
+
+    tracked: _Tracked
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    reason: str | None = None
+    error: str | None = None
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -87,7 +105,8 @@ class Engine:
             config.model, dtype, self.device, max_positions=self.max_model_len, quantization=config.quantization
         )
         self.model_config = self.model.config
-        self.runner = ModelRunner(self.model, config, self.device)
+        draft = self._draft_model(config.speculative_config, dtype)
+        self.runner = ModelRunner(self.model, config, self.device, draft)
         self.blocks = KVBlockManager(
             self.runner.num_blocks,
             config.block_size,
@@ -103,6 +122,8 @@ class Engine:
         if self.tokenizer is not None:
             self.eos_token_ids |= self.tokenizer.eos_token_ids
         self.sampler = Sampler(self.eos_token_ids)
+        self.rejection = RejectionSampler(self.sampler)
+        self.speculator = self._speculator(config.speculative_config, draft)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.tracked: dict[str, _Tracked] = {}
         self.stats = StepStats()
@@ -115,6 +136,29 @@ class Engine:
             self.blocks.watermark_blocks,
             self.tokenizer is not None,
         )
+
+    def _draft_model(self, config: SpeculativeConfig | None, dtype: torch.dtype | None) -> DraftModel | None:
+        if config is None or config.method != "draft_model" or config.model is None:
+            return None
+        from tokenfleet.engine.draft import DraftModel, check_draft_config
+
+        check_draft_config(ModelConfig.from_dir(config.model), self.model_config, config.model)
+        model = load_model(config.model, dtype, self.device, max_positions=self.max_model_len)
+        return DraftModel(model, self.config.block_size, self.device)
+
+    def _speculator(self, config: SpeculativeConfig | None, draft: DraftModel | None) -> Speculator | None:
+        if config is None:
+            return None
+        from tokenfleet.engine.draft import DraftProposer
+        from tokenfleet.engine.ngram import NgramProposer
+
+        proposer: Proposer
+        if draft is not None:
+            proposer = DraftProposer(draft, self.sampler)
+        else:
+            proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        log.info("speculative decoding: %s, k=%d", config.method, config.num_speculative_tokens)
+        return Speculator(config, proposer, self.max_model_len)
 
     @staticmethod
     def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -185,63 +229,100 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         stats, started = self.stats, time.perf_counter()
+        if self.speculator is not None:
+            self.speculator.plan(self.scheduler.running)
         out = self.scheduler.schedule()
         scheduled = time.perf_counter()
+        proposed = scheduled
         try:
+            proposals = self.speculator.propose(out) if self.speculator is not None else {}
+            proposed = time.perf_counter()
             logits, sampled = self.runner.execute(out)
-        except Exception as e:  # a failed forward pass fails its requests, never the engine
+        except Exception as e:  # a failed forward pass (the target's or the draft's) fails its requests only
             log.exception("model step failed")
             return self._fail_step(out, f"model step failed: {e}")
         executed = time.perf_counter()
-        picks = self._sample(logits, sampled)
+        picks = self._sample(logits, sampled, proposals)
         sampled_at = time.perf_counter()
         _share_step_time(out, sampled_at - started)
+        # tokens first, then the accounting (it hashes the accepted proposals into the prefix cache), then the
+        # requests that ended give their blocks back
+        taken = [self._take(chunk, pick) for chunk, pick in zip(sampled, picks)]
         self.scheduler.update(out)
-        outputs = [
-            self._fail(self.tracked[req.request_id], str(pick))
-            if isinstance(pick, Exception)
-            else self._append_or_fail(req, *pick)
-            for req, pick in zip(sampled, picks)
-        ]
+        outputs = [self._output_of(t) for t in taken]
         stats.steps += 1
         stats.schedule_s += scheduled - started
+        stats.propose_s += proposed - scheduled
         stats.prepare_s += self.runner.last_prepare_s
-        stats.forward_s += executed - scheduled - self.runner.last_prepare_s
+        stats.forward_s += executed - proposed - self.runner.last_prepare_s
         stats.sample_s += sampled_at - executed
         stats.output_s += time.perf_counter() - sampled_at
         return outputs
 
     def _sample(
-        self, logits: torch.Tensor | None, requests: list[Request]
-    ) -> list[tuple[int, TokenLogprob | None] | Exception]:
-        """Each request's (token, logprob), or the error sampling it raised. A batch that fails is sampled again
-        request by request, so that only the request whose parameters broke it fails, not its neighbours."""
-        if not requests:
+        self, logits: torch.Tensor | None, chunks: list[ScheduledChunk], proposals: dict[Request, Proposal]
+    ) -> list[Verified | Exception]:
+        """Each chunk's new tokens with their logprobs, or the error sampling it raised. Chunks that verify
+        proposals own 1 + k rows of logits, the others one. A batch that fails is sampled again chunk by chunk,
+        so that only the request whose parameters broke it fails, not its neighbours."""
+        if not chunks:
             return []
         if logits is None:  # the runner returns None only for a step with nothing to sample
-            raise RuntimeError(f"the model step returned no logits for {len(requests)} request(s) to sample")
+            raise RuntimeError(f"the model step returned no logits for {len(chunks)} request(s) to sample")
+        starts = list(itertools.accumulate((1 + len(c.spec_token_ids) for c in chunks[:-1]), initial=0))
         try:
-            result = self.sampler(logits, requests)
-            return list(zip(result.token_ids, result.logprobs))
+            return self._sample_batch(logits, chunks, starts, proposals)
         except Exception:
-            log.exception("sampling a batch of %d requests failed; sampling them one at a time", len(requests))
-        return [self._sample_alone(logits[i : i + 1], req) for i, req in enumerate(requests)]
+            log.exception("sampling a batch of %d requests failed; sampling them one at a time", len(chunks))
+        return [self._sample_alone(logits, chunk, start, proposals) for chunk, start in zip(chunks, starts)]
 
-    def _sample_alone(self, row: torch.Tensor, req: Request) -> tuple[int, TokenLogprob | None] | Exception:
+    def _sample_batch(
+        self,
+        logits: torch.Tensor,
+        chunks: list[ScheduledChunk],
+        starts: list[int],
+        proposals: dict[Request, Proposal],
+    ) -> list[Verified | Exception]:
+        plain = [i for i, c in enumerate(chunks) if not c.spec_token_ids]
+        verifying = [i for i, c in enumerate(chunks) if c.spec_token_ids]
+        picks: dict[int, Verified] = {}
+        picks.update(zip(plain, self._sample_plain(logits, [chunks[i] for i in plain], [starts[i] for i in plain])))
+        verified = self._verify(logits, [chunks[i] for i in verifying], [starts[i] for i in verifying], proposals)
+        picks.update(zip(verifying, verified))
+        return [picks[i] for i in range(len(chunks))]
+
+    def _sample_plain(self, logits: torch.Tensor, chunks: list[ScheduledChunk], starts: list[int]) -> list[Verified]:
+        if not chunks:
+            return []
+        rows = logits if len(starts) == logits.shape[0] else logits[starts]
+        result = self.sampler(rows, [c.req for c in chunks])
+        return [Verified([token], [logprob], 0) for token, logprob in zip(result.token_ids, result.logprobs)]
+
+    def _verify(
+        self,
+        logits: torch.Tensor,
+        chunks: list[ScheduledChunk],
+        starts: list[int],
+        proposals: dict[Request, Proposal],
+    ) -> list[Verified]:
+        if not chunks:
+            return []
+        verified = self.rejection(logits, starts, chunks, [proposals[c.req] for c in chunks])
+        if self.speculator is not None:  # else no chunk carries proposals
+            for chunk, v in zip(chunks, verified):
+                self.speculator.stats.record(len(chunk.spec_token_ids), v.num_accepted)
+        return verified
+
+    def _sample_alone(
+        self, logits: torch.Tensor, chunk: ScheduledChunk, start: int, proposals: dict[Request, Proposal]
+    ) -> Verified | Exception:
         try:
-            result = self.sampler(row, [req])
+            if chunk.spec_token_ids:
+                return self._verify(logits, [chunk], [start], proposals)[0]
+            return self._sample_plain(logits, [chunk], [start])[0]
         except Exception as e:
-            log.warning("request %s: sampling failed: %r", req.request_id, e)
+            log.warning("request %s: sampling failed: %r", chunk.req.request_id, e)
             return ValueError(f"sampling failed for this request's parameters: {e}")
-        return result.token_ids[0], result.logprobs[0]
-
-    def _append_or_fail(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
-        tracked = self.tracked[req.request_id]
-        try:
-            return self._append(req, token, logprob)
-        except Exception as e:  # e.g. its stop conditions: this request fails, the rest of the step goes on
-            log.exception("request %s: processing its new token failed", req.request_id)
-            return self._fail(tracked, f"processing the new token failed: {e}")
 
     def _fail_step(self, out: SchedulerOutput, message: str) -> list[RequestOutput]:
         return [
@@ -258,8 +339,29 @@ class Engine:
         req.error = message
         return self._output(tracked, [], "", [])
 
-    def _append(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+    def _take(self, chunk: ScheduledChunk, pick: Verified | Exception) -> _Taken:
+        """Appends the chunk's new tokens to its request, up to the first that ends it. The request is finished
+        later, by _output_of, once the step's accounting is done."""
+        req = chunk.req
         tracked = self.tracked[req.request_id]
+        if isinstance(pick, Exception):
+            chunk.num_rejected = len(chunk.spec_token_ids)
+            return _Taken(tracked, error=str(pick))
+        chunk.num_rejected = len(chunk.spec_token_ids) - pick.num_accepted
+        taken = _Taken(tracked)
+        try:
+            for token, logprob in zip(pick.token_ids, pick.logprobs):
+                self._append(taken, token, logprob)
+                if taken.reason is not None:
+                    break
+        except Exception as e:  # e.g. its stop conditions: this request fails, the rest of the step goes on
+            log.exception("request %s: processing its new token failed", req.request_id)
+            return _Taken(tracked, error=f"processing the new token failed: {e}")
+        return taken
+
+    def _append(self, taken: _Taken, token: int, logprob: TokenLogprob | None) -> None:
+        tracked = taken.tracked
+        req = tracked.req
         req.append_token(token)
         if logprob is not None:
             req.logprobs.append(logprob)
@@ -273,10 +375,20 @@ class Engine:
             reason, req.stop_reason = "stop", None
         if reason != "stop" and tracked.detok is not None and tracked.detok.matched is not None:
             reason, req.stop_reason = "stop", tracked.detok.matched
-        if reason is not None:
-            self.scheduler.finish(req, reason)
+        taken.token_ids.append(token)
+        taken.text += delta
+        if logprob is not None:
+            taken.logprobs.append(logprob)
+        taken.reason = reason
+
+    def _output_of(self, taken: _Taken) -> RequestOutput:
+        if taken.error is not None:
+            return self._fail(taken.tracked, taken.error)
+        req = taken.tracked.req
+        if taken.reason is not None:
+            self.scheduler.finish(req, taken.reason)
             del self.tracked[req.request_id]
-        return self._output(tracked, [token], delta, [logprob] if logprob else [])
+        return self._output(taken.tracked, taken.token_ids, taken.text, taken.logprobs)
 
     @staticmethod
     def _detokenize(tracked: _Tracked, token: int, adds_text: bool, final: bool) -> str:

@@ -98,6 +98,8 @@ class KVBlockManager:
         """The request's KV now covers its first `num_computed_tokens` tokens: its newly full blocks are registered in
         the prefix cache."""
         req.num_computed_tokens = num_computed_tokens
+        if req.num_draft_computed > num_computed_tokens:  # the draft's KV past a rejected proposal is not valid
+            req.num_draft_computed = num_computed_tokens
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
@@ -141,7 +143,8 @@ class KVBlockManager:
     def admit(self, req: Request, hits: list[int], num_new_tokens: int) -> None:
         self._ref(hits)
         req.block_table = list(hits)
-        req.num_computed_tokens = len(hits) * self.block_size
+        # a cached block holds the draft model's KV too (speculative decoding with a draft shares block tables)
+        req.num_computed_tokens = req.num_draft_computed = len(hits) * self.block_size
         req.num_cached_blocks = len(hits)
         self.grow(req, num_new_tokens)
 
@@ -161,8 +164,22 @@ class KVBlockManager:
 
     def free_request(self, req: Request) -> None:
         """Drops the request's references; blocks keep their cached contents, the tail ones are evicted first."""
+        self._release(req.block_table)
+        req.block_table = []
+        req.num_cached_blocks = 0
+
+    def trim(self, req: Request) -> None:
+        """Gives back the blocks at the end of the request's table that hold none of its computed tokens (the slots
+        of rejected speculative proposals)."""
+        keep = self.blocks_for(req.num_computed_tokens)
+        if len(req.block_table) > keep:
+            self._release(req.block_table[keep:])
+            del req.block_table[keep:]
+
+    def _release(self, block_ids: list[int]) -> None:
+        """Drops one reference to each block, last first; a block no one owns any more becomes free."""
         ref_counts, keys, plain, cached = self.ref_counts, self.keys, self.free_plain, self.free_cached
-        for block_id in reversed(req.block_table):
+        for block_id in reversed(block_ids):
             count = ref_counts[block_id] - 1
             ref_counts[block_id] = count
             if not count:
@@ -170,8 +187,6 @@ class KVBlockManager:
                     plain.append(block_id)  # nothing worth keeping: reused first (the table's head first)
                 else:
                     cached[block_id] = None
-        req.block_table = []
-        req.num_cached_blocks = 0
 
     def _take_free(self) -> int:
         """A fresh block, owned once: taken in the order the module's docstring gives, its cached prefix evicted."""

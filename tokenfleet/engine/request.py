@@ -88,6 +88,7 @@ class SamplingParams:
     detokenize: bool = True  # False: token ids only (no text, no stop strings), as in vLLM
     structured_output: StructuredOutput | None = None  # the output must match it (vLLM's structured_outputs)
     skip_special_tokens: bool = True  # False: special tokens are in the text (a tool-call format that starts with one)
+    speculative_decoding: bool = True  # False: this request never gets speculative proposals (a per-request opt-out)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -174,6 +175,10 @@ class Request:
     engine_s: float = 0.0  # its share of the engine's step time so far (for cost per token)
     generator: torch.Generator | None = None
     grammar: RequestGrammar | None = None  # its structured output's matcher, advanced on every accepted token
+    # speculative decoding: proposals the next step may verify (set before scheduling), and the leading tokens
+    # whose KV the draft model's cache holds (draft_model only; it may lag the target's by a token or two)
+    num_lookahead_tokens: int = 0
+    num_draft_computed: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

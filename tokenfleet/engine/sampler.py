@@ -11,6 +11,7 @@ import math
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -23,6 +24,29 @@ _GREEDY_EPS = 1e-5
 _NEG_INF = float("-inf")
 # top_p first looks for the nucleus among this many most likely tokens (see _top_p_rows).
 _TOP_P_CANDIDATES = 1024
+
+
+class SamplingRow(Protocol):
+    """What the processors read of a request: a Request, or a view of one a few tokens further on (the rows of a
+    speculative verification, see engine/rejection.py)."""
+
+    @property
+    def params(self) -> SamplingParams: ...
+
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+    @property
+    def grammar(self) -> RequestGrammar | None: ...
+
+    @property
+    def generator(self) -> torch.Generator | None: ...
 
 
 @dataclass
@@ -40,22 +64,26 @@ class _Plan:
     with_logprobs: list[int] = field(default_factory=list)
 
 
-def _is_greedy(params: SamplingParams) -> bool:
+def is_greedy(params: SamplingParams) -> bool:
     return params.temperature < _GREEDY_EPS
 
 
-def _min_tokens_active(req: Request) -> bool:
+def _min_tokens_active(req: SamplingRow) -> bool:
     return req.num_output_tokens < req.params.min_tokens
 
 
-def _make_plan(requests: Sequence[Request]) -> _Plan:
+def is_plain_greedy(row: SamplingRow) -> bool:
+    """Its token is the argmax of the raw logits: greedy, and nothing changes the logits first."""
+    params = row.params
+    return is_greedy(params) and not params.has_penalties and not _min_tokens_active(row) and row.grammar is None
+
+
+def _make_plan(requests: Sequence[SamplingRow]) -> _Plan:
     plan = _Plan()
     for i, req in enumerate(requests):
-        params = req.params
-        if params.logprobs is not None:
+        if req.params.logprobs is not None:
             plan.with_logprobs.append(i)
-        plain = _is_greedy(params) and not params.has_penalties and not _min_tokens_active(req) and req.grammar is None
-        (plan.plain_greedy if plain else plan.processed).append(i)
+        (plan.plain_greedy if is_plain_greedy(req) else plan.processed).append(i)
     return plan
 
 
@@ -101,9 +129,9 @@ class PromptTokenCache:
     repetition penalty converts them once per request instead of once per step."""
 
     def __init__(self) -> None:
-        self._by_request: weakref.WeakKeyDictionary[Request, torch.Tensor] = weakref.WeakKeyDictionary()
+        self._by_request: weakref.WeakKeyDictionary[SamplingRow, torch.Tensor] = weakref.WeakKeyDictionary()
 
-    def __call__(self, req: Request) -> torch.Tensor:
+    def __call__(self, req: SamplingRow) -> torch.Tensor:
         ids = self._by_request.get(req)
         if ids is None:
             ids = self._by_request[req] = _ids(sorted(set(req.prompt_token_ids)))
@@ -120,7 +148,7 @@ def _split_keys(keys: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Ten
     return keys // vocab, keys % vocab
 
 
-def apply_min_tokens(x: torch.Tensor, requests: Sequence[Request], eos_token_ids: frozenset[int]) -> None:
+def apply_min_tokens(x: torch.Tensor, requests: Sequence[SamplingRow], eos_token_ids: frozenset[int]) -> None:
     """In place: before min_tokens outputs exist, a request may not emit eos or any of its stop_token_ids."""
     vocab = x.shape[1]
     rows: list[int] = []
@@ -141,10 +169,10 @@ def apply_min_tokens(x: torch.Tensor, requests: Sequence[Request], eos_token_ids
 
 def _repetition_penalty(
     x: torch.Tensor,
-    requests: Sequence[Request],
+    requests: Sequence[SamplingRow],
     rows: list[int],
     outputs: dict[int, torch.Tensor],
-    prompts: Callable[[Request], torch.Tensor],
+    prompts: Callable[[SamplingRow], torch.Tensor],
 ) -> None:
     vocab = x.shape[1]
     seqs = [(i, prompts(requests[i])) for i in rows] + [(i, outputs[i]) for i in rows]
@@ -156,7 +184,7 @@ def _repetition_penalty(
 
 
 def _frequency_presence_penalty(
-    x: torch.Tensor, requests: Sequence[Request], rows: list[int], outputs: dict[int, torch.Tensor]
+    x: torch.Tensor, requests: Sequence[SamplingRow], rows: list[int], outputs: dict[int, torch.Tensor]
 ) -> None:
     vocab = x.shape[1]
     keys, counts = _unique(_pair_keys([(i, outputs[i]) for i in rows], vocab, x.device))
@@ -167,7 +195,7 @@ def _frequency_presence_penalty(
 
 
 def apply_penalties(
-    x: torch.Tensor, requests: Sequence[Request], prompts: Callable[[Request], torch.Tensor] | None = None
+    x: torch.Tensor, requests: Sequence[SamplingRow], prompts: Callable[[SamplingRow], torch.Tensor] | None = None
 ) -> None:
     """In place: repetition (prompt + output tokens), then frequency and presence (output tokens) penalties.
 
@@ -263,7 +291,8 @@ def _uniform_noise(
     return u
 
 
-def _sample_random(x: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+def _random_probs(x: torch.Tensor, requests: Sequence[SamplingRow]) -> torch.Tensor:
+    """The distribution each random row samples from: temperature, top_k, top_p, min_p, softmax (x in place)."""
     params = [r.params for r in requests]
     temps = [p.temperature for p in params]
     if any(t != 1.0 for t in temps):
@@ -271,11 +300,19 @@ def _sample_random(x: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor
     apply_top_k(x, [p.top_k for p in params])
     apply_top_p(x, [p.top_p for p in params])
     apply_min_p(x, [p.min_p for p in params])
-    probs = x.softmax(dim=-1)
+    return x.softmax(dim=-1)
+
+
+def sample_from(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One draw per row of `probs` (modified in place), a row with a generator drawing only from it."""
     # Exponential race: with q ~ Exp(1), argmax(probs / q) is a draw from probs. q = -log(U) is never 0
     # (so masked tokens never give 0/0 = NaN) and is several times cheaper than exponential_() on CPU.
-    q = _uniform_noise([r.generator for r in requests], probs.shape, probs.device).log_().neg_()
+    q = _uniform_noise(generators, probs.shape, probs.device).log_().neg_()
     return probs.div_(q).argmax(dim=-1)
+
+
+def _sample_random(x: torch.Tensor, requests: Sequence[SamplingRow]) -> torch.Tensor:
+    return sample_from(_random_probs(x, requests), [r.generator for r in requests])
 
 
 class Sampler:
@@ -301,17 +338,39 @@ class Sampler:
             rows = logits.index_select(0, idx).float()
             tokens.index_copy_(0, idx, self._process_and_sample(rows, [requests[i] for i in plan.processed]))
         token_ids = tokens.tolist()
-        return SamplerOutput(token_ids, _collect_logprobs(logits, requests, plan.with_logprobs, token_ids))
+        return SamplerOutput(token_ids, collect_logprobs(logits, requests, plan.with_logprobs, token_ids))
+
+    def probabilities(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """[rows, vocab] float32: the distribution each row's token is drawn from, after every processor that
+        sampling applies (a greedy row's is one-hot at its argmax). For rows without a structured output (those
+        that speculate): the caller's logits are never modified."""
+        if any(row.grammar is not None for row in rows):
+            raise ValueError("structured outputs are sampled with their token masks, not from probabilities")
+        x = logits.to(torch.float32, copy=True)
+        apply_min_tokens(x, rows, self.eos_token_ids)
+        apply_penalties(x, rows, self._prompts)
+        greedy = [i for i, row in enumerate(rows) if is_greedy(row.params)]
+        random = [i for i, row in enumerate(rows) if not is_greedy(row.params)]
+        probs = torch.zeros_like(x) if greedy else x
+        if greedy:
+            idx = _index(greedy, x.device)
+            probs[idx, x.index_select(0, idx).argmax(dim=-1)] = 1.0
+        if random and greedy:
+            idx = _index(random, x.device)
+            probs.index_copy_(0, idx, _random_probs(x.index_select(0, idx), [rows[i] for i in random]))
+        elif random:
+            probs = _random_probs(x, rows)
+        return probs
 
     def _process_and_sample(self, x: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """x: float32 rows owned by the sampler, modified in place. Returns one token id per row."""
         apply_min_tokens(x, requests, self.eos_token_ids)
         apply_structured_masks(x, [_caught_up_grammar(r) for r in requests])
         apply_penalties(x, requests, self._prompts)
-        greedy = [i for i, r in enumerate(requests) if _is_greedy(r.params)]
+        greedy = [i for i, r in enumerate(requests) if is_greedy(r.params)]
         if len(greedy) == len(requests):
             return x.argmax(dim=-1)
-        random = [i for i, r in enumerate(requests) if not _is_greedy(r.params)]
+        random = [i for i, r in enumerate(requests) if not is_greedy(r.params)]
         if not greedy:
             return _sample_random(x, requests)
         out = torch.empty(len(requests), dtype=torch.long, device=x.device)
@@ -329,8 +388,8 @@ def _caught_up_grammar(req: Request) -> RequestGrammar | None:
     return grammar
 
 
-def _collect_logprobs(
-    logits: torch.Tensor, requests: Sequence[Request], rows: list[int], token_ids: list[int]
+def collect_logprobs(
+    logits: torch.Tensor, requests: Sequence[SamplingRow], rows: list[int], token_ids: list[int]
 ) -> list[TokenLogprob | None]:
     """Logprobs of the raw (unprocessed) logits: the sampled token's and the top-n alternatives."""
     result: list[TokenLogprob | None] = [None] * len(requests)

@@ -26,12 +26,17 @@ class SchedulerConfig:
 @dataclass
 class ScheduledChunk:
     req: Request
-    num_tokens: int  # tokens computed this step, starting at req.num_computed_tokens
+    num_tokens: int  # tokens computed this step, starting at req.num_computed_tokens (lookahead included)
+    # speculative decoding: the last num_lookahead of those tokens are proposals, spec_token_ids (filled in after
+    # scheduling), verified in this step; num_rejected of them turned out wrong (set after sampling)
+    num_lookahead: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_rejected: int = 0
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the request's tokens, so the step yields its next token."""
-        return self.req.num_computed_tokens + self.num_tokens == self.req.num_tokens
+        return self.req.num_computed_tokens + self.num_tokens - self.num_lookahead == self.req.num_tokens
 
 
 @dataclass
@@ -74,7 +79,7 @@ class Scheduler:
             if budget == 0:
                 break
             if req.status is RequestStatus.RUNNING:  # not preempted earlier in this loop
-                budget -= self._schedule_running(req, min(req.num_uncomputed_tokens, budget), out)
+                budget -= self._schedule_running(req, budget, out)
         while self.queue and budget > 0:
             scheduled = self._admit(self.queue[0], budget, out)
             if not scheduled:
@@ -82,17 +87,30 @@ class Scheduler:
             budget -= scheduled
         return out
 
-    def _schedule_running(self, req: Request, n: int, out: SchedulerOutput) -> int:
-        """Schedules n tokens of a running request, preempting to make room; returns the budget used (net)."""
+    def _schedule_running(self, req: Request, budget: int, out: SchedulerOutput) -> int:
+        """Schedules what fits in the budget of a running request's tokens, and of its speculative lookahead when
+        it decodes, preempting to make room; returns the budget used (net)."""
+        n = min(req.num_uncomputed_tokens, budget)
+        lookahead = self._lookahead(req, n, budget)
         refund = 0
-        while self.blocks.blocks_needed(req, n) > self.blocks.num_free_blocks:
+        while self.blocks.blocks_needed(req, n + lookahead) > self.blocks.num_free_blocks:
             victim = max(self.running, key=victim_key)  # never of a higher class than req, which is a candidate
             refund += self._preempt(victim, out)
             if victim is req:
                 return -refund
-        self.blocks.grow(req, n)
-        out.chunks.append(ScheduledChunk(req, n))
-        return n - refund
+        self.blocks.grow(req, n + lookahead)  # the lookahead's slots too, in one call
+        out.chunks.append(ScheduledChunk(req, n + lookahead, lookahead))
+        return n + lookahead - refund
+
+    def _lookahead(self, req: Request, n: int, budget: int) -> int:
+        """The proposals a decoding request gets verified this step: what the budget leaves room for, and none when
+        their blocks are not free (speculation never preempts anyone)."""
+        if not req.num_lookahead_tokens or req.num_uncomputed_tokens != 1:
+            return 0
+        lookahead = min(req.num_lookahead_tokens, budget - n)
+        if self.blocks.blocks_needed(req, n + lookahead) > self.blocks.num_free_blocks:
+            return 0
+        return lookahead
 
     def _admit(self, req: Request, budget: int, out: SchedulerOutput) -> int:
         """Moves the head of the queue into the running batch; returns the tokens scheduled (0 if it cannot)."""
@@ -137,7 +155,7 @@ class Scheduler:
             req.status = RequestStatus.SWAPPED
         else:
             self.blocks.free_request(req)
-            req.num_computed_tokens = 0
+            req.num_computed_tokens = req.num_draft_computed = 0
             req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -145,10 +163,18 @@ class Scheduler:
         return refund
 
     def update(self, out: SchedulerOutput) -> None:
-        """Records that the step computed the scheduled tokens (their KV is now in the cache)."""
+        """Records that the step computed the scheduled tokens (their KV is now in the cache). Of a chunk that
+        verified proposals, only the accepted ones count (never past the tokens the request kept, when a stop cut
+        its accepted run short), and the blocks taken for the rejected tail go back."""
         mark_computed = self.blocks.mark_computed
         for chunk in out.chunks:
-            mark_computed(chunk.req, chunk.req.num_computed_tokens + chunk.num_tokens)
+            req = chunk.req
+            computed = req.num_computed_tokens + chunk.num_tokens
+            if chunk.num_lookahead:
+                mark_computed(req, min(computed - chunk.num_rejected, req.num_tokens))
+                self.blocks.trim(req)
+            else:
+                mark_computed(req, computed)
 
     def park(self, steady: Callable[[Request], bool]) -> list[Request]:
         """Takes the running requests that `steady` picks out of the plan and returns them, in batch order. A parked

@@ -3,12 +3,12 @@ and the /load report the router reads."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from tokenfleet.engine.state import EngineState, load_report  # noqa: F401  (load_report: the replica's /load)
+from tokenfleet.engine.state import EngineState, SpecDecodeStats, load_report  # noqa: F401  (load_report: /load)
 
 LATENCY_BUCKETS = (
     0.005,
@@ -110,6 +110,44 @@ class _SchedulerCounters:
             family.add_metric([self.model_name], value)
             yield family
         yield self._step_time(state)
+        if state.spec_decode is not None:
+            yield from self._spec_decode(state.spec_decode)
+
+    def _spec_decode(self, spec: SpecDecodeStats) -> Iterator[Metric]:
+        """Speculative decoding under vLLM's names: its v1 counters, and the v0 acceptance-rate gauge; the mean
+        accepted length (1 + accepted / drafts, as vLLM's logs give it) under ours."""
+        labels = [self.model_name]
+        for name, doc, value in (
+            ("vllm:spec_decode_num_drafts", "Verifications of at least one proposal.", spec.num_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Proposed tokens verified.", spec.num_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted.", spec.num_accepted_tokens),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(labels, value)
+            yield family
+        per_position = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Proposed tokens accepted, by position in the proposal.",
+            labels=["model_name", "position"],
+        )
+        for position, value in enumerate(spec.accepted_per_position):
+            per_position.add_metric([self.model_name, str(position)], value)
+        yield per_position
+        for name, doc, ratio in (
+            (
+                "vllm:spec_decode_draft_acceptance_rate",
+                "Accepted proposed tokens / proposed tokens verified.",
+                spec.acceptance_rate,
+            ),
+            (
+                "tokenfleet:spec_decode_mean_accepted_length",
+                "Tokens per verification: 1 + accepted proposals per verification.",
+                spec.mean_accepted_length,
+            ),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+            gauge.add_metric(labels, ratio)
+            yield gauge
 
     def _step_time(self, state: EngineState) -> CounterMetricFamily:
         """Where engine step time goes, so served-mode overheads show up next to the offline profile."""

@@ -90,8 +90,8 @@ def test_without_a_quota_everything_is_let_in_with_a_ticket():
 
 def test_the_load_update_sizes_each_pool_and_moves_the_ladder():
     core = core_with(slots=1)
-    assert core.update_load({"m": 3}, 4, replica_queued_tokens=0, prefill_tokens_per_s=1000.0) == 0
+    assert core.update_load({"m": 3}, 4, replica_queued_tokens=0, pool_prefill_tokens_per_s=3000.0) == 0
     assert core.dispatchers["m"].snapshot().slots == 12
-    assert core.update_load({"m": 1}, 4, replica_queued_tokens=10**6, prefill_tokens_per_s=1000.0) == 1
-    assert core.update_load({}, 4, replica_queued_tokens=0, prefill_tokens_per_s=1000.0) >= 0
+    assert core.update_load({"m": 1}, 4, replica_queued_tokens=10**6, pool_prefill_tokens_per_s=1000.0) == 1
+    assert core.update_load({}, 4, replica_queued_tokens=0, pool_prefill_tokens_per_s=0.0) >= 0
     assert core.dispatchers["m"].snapshot().slots == 0  # no replica taking work: no room

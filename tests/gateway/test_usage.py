@@ -88,6 +88,15 @@ def test_each_request_is_metered_and_priced_for_its_own_organisation_only(platfo
     assert printed.returncode == 0, printed.stderr
     [row] = json.loads(printed.stdout)
     assert (row["org"], row["requests"], row["output_tokens"]) == (line["org"], 3, 15)
+    assert row["org_name"] == org, "a report names the organisation beside its id"
+    table = subprocess.run(
+        [sys.executable, "-m", "tokenfleet", "usage", "--database-url", platform.database_url, "--by", "org,user"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert table.returncode == 0, table.stderr
+    assert f"{org} ({line['org']})" in table.stdout and "mia (" in table.stdout, table.stdout
 
 
 def test_usage_rejects_bad_parameters_in_the_openai_error_shape(platform: Platform):

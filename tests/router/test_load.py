@@ -100,6 +100,7 @@ def replica_load() -> dict:
         scheduler=SimpleNamespace(
             running=[request(RequestStatus.RUNNING, 1), request(RequestStatus.RUNNING, 300)],
             queue=[request(RequestStatus.WAITING, 500), request(RequestStatus.SWAPPED, 40)],
+            num_prefill_tokens=7000,
         ),
         blocks=SimpleNamespace(usage=lambda: 0.625, num_blocks=4096, block_size=16),
     )
@@ -129,7 +130,7 @@ def test_reads_our_replicas_load_report():
         before = time.monotonic()
         report = fetch(replica.url)
     assert (report.running, report.waiting, report.queued_tokens) == (2, 2, 840)
-    assert report.kv_usage == 0.625
+    assert report.kv_usage == 0.625 and report.prefill_tokens_total == 7000
     assert before <= report.fetched_at <= time.monotonic()
 
 

@@ -115,7 +115,7 @@ def build_gateway(
     router = Router(
         ModelCatalog(config.served_models(), config.routing.rules),
         config.routing,
-        config.dispatch.slots_per_replica,
+        config.dispatch.replica_slots,
         make_upstream,
     )
     router.add_configured_replicas()
@@ -126,7 +126,7 @@ def build_gateway(
     dispatchers = {
         name: Dispatcher(
             tiers,
-            config.dispatch.slots_per_replica * max(1, len(pools.replicas)),
+            config.dispatch.replica_slots * max(1, len(pools.replicas)),
             config.dispatch.quantum_tokens,
             provisioned=provisioned,
         )
@@ -210,7 +210,7 @@ def add_background_work(gateway: Gateway, config: FleetConfig) -> None:
     router, d = gateway.router, config.dispatch
     gateway.services.append(router.refresh_loads)
     gateway.services.append(
-        lambda: watch_load(gateway.admission, router, d.load_interval_s, d.slots_per_replica, d.prefill_tokens_per_s)
+        lambda: watch_load(gateway.admission, router, d.load_interval_s, d.replica_slots, d.prefill_tokens_per_s)
     )
 
     async def health_checks() -> None:
@@ -310,6 +310,8 @@ def serve_embedded(args: argparse.Namespace) -> None:
     vocab_size = ModelConfig.from_dir(engine_config.model).vocab_size
     info = ModelInfo(name, engine.tokenizer, engine.max_model_len, vocab_size)
     config = embedded_config(args, name, engine_config.model)
+    if config.dispatch.slots_per_replica is None:  # its one replica's engine runs this many at once
+        config.dispatch.slots_per_replica = engine_config.max_num_seqs
     local = InProcessUpstream(service)
     gateway, store = build_gateway(
         config,

@@ -9,15 +9,18 @@ import json
 import sys
 from datetime import date
 
+from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
 from tokenfleet.billing.report import UsageFilter, check_groups, unit_costs, usage_report
 from tokenfleet.commands.database import add_database_arguments, resolve_database_url
 from tokenfleet.store.db import Database
+from tokenfleet.store.models import Organisation, User
 from tokenfleet.store.tenants import TenantStore
 from tokenfleet.table import print_table
 
 COUNTS = ("requests", "input_tokens", "cached_tokens", "output_tokens")
+NAMED = {"org": Organisation, "user": User}  # grouped by these, a line shows the name with the id beside it
 
 
 def add_usage_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,10 +69,33 @@ async def _run(args: argparse.Namespace, db: Database, billing, groups: list[str
             _print(args, lines, ["model", "tier", "output_tokens", "engine_s", "cost_per_million_output_usd"])
         else:
             report = await usage_report(db, billing.table, groups, where)
-            _print(args, [line.as_dict() for line in report.lines], [*groups, *COUNTS, "cost_usd"])
+            lines = [line.as_dict() for line in report.lines]
+            named = await _with_names(db, lines, [g for g in groups if g in NAMED])
+            _print(args, lines if args.json else named, [*groups, *COUNTS, "cost_usd"])
             if not args.json and report.lines:
                 print(f"total cost: ${report.total_cost_usd:.6f}")
     return 0
+
+
+async def _with_names(db: Database, lines: list[dict], named: list[str]) -> list[dict]:
+    """Adds `org_name` / `user_name` beside the ids (JSON), and returns the lines as a table shows them: the name
+    first, its id beside it."""
+    if not named:
+        return lines
+    async with db.session() as session:
+        names = {
+            column: dict((await session.execute(select(NAMED[column].id, NAMED[column].name))).tuples().all())
+            for column in named
+        }
+    shown = []
+    for line in lines:
+        row = dict(line)
+        for column in named:
+            name = names[column].get(line[column])
+            line[f"{column}_name"] = name
+            row[column] = f"{name} ({line[column]})" if name else line[column]
+        shown.append(row)
+    return shown
 
 
 def _print(args: argparse.Namespace, lines: list[dict], columns: list[str]) -> None:

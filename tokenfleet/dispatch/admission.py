@@ -108,11 +108,16 @@ class AdmissionCore:
             await self.quota.reconcile(reservation, used)
 
     def update_load(
-        self, taking: Mapping[str, int], slots_per_replica: int, replica_queued_tokens: int, prefill_tokens_per_s: float
+        self,
+        taking: Mapping[str, int],
+        slots_per_replica: int,
+        replica_queued_tokens: int,
+        pool_prefill_tokens_per_s: float,
     ) -> int:
         """One load interval: size each model's pool to its replicas taking work (`taking`), project the time to
-        first token from the queues and the replicas' own queues, move the ladder, then pause or pace each model's
-        batch tier. Returns the ladder's level."""
+        first token from the queues and the replicas' own queues at the pool's prefill rate (all the replicas
+        taking work together), move the ladder, then pause or pace each model's batch tier. Returns the ladder's
+        level."""
         for model, dispatcher in self.dispatchers.items():
             dispatcher.set_slots(slots_per_replica * taking.get(model, 0))
         snapshots = [d.snapshot() for d in self.dispatchers.values()]
@@ -122,7 +127,7 @@ class AdmissionCore:
                 replica_queued_tokens,
                 sum(s.in_use for s in snapshots),
                 sum(s.slots for s in snapshots),
-                prefill_tokens_per_s * sum(taking.values()),
+                pool_prefill_tokens_per_s,
             )
         )
         for model, dispatcher in self.dispatchers.items():

@@ -179,6 +179,9 @@ class Request:
     # whose KV the draft model's cache holds (draft_model only; it may lag the target's by a token or two)
     num_lookahead_tokens: int = 0
     num_draft_computed: int = 0
+    # its timeline in the engine: when a step first took it (time.monotonic()), and how many steps prefilled it
+    scheduled_time: float | None = None
+    num_prefill_chunks: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -9,6 +9,7 @@ a queued request may also preempt running work of a strictly lower class.
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -63,6 +64,7 @@ class Scheduler:
         self.num_parked = 0  # running requests advanced by the caller, outside the plan (see park)
         self.prefix_cache_queries = 0  # prompt tokens looked up at first admission (cumulative)
         self.prefix_cache_hits = 0  # of those, found in the prefix cache
+        self.num_prefill_tokens = 0  # tokens computed in chunks of more than one token (cumulative)
         self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
@@ -134,6 +136,7 @@ class Scheduler:
             out.swap_in += self.blocks.swap_in(req)
             self.blocks.grow(req, n)
         elif req.num_cached_tokens < 0:  # its first admission: what the prefix cache held of its prompt
+            req.scheduled_time = time.monotonic()
             req.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
             self.prefix_cache_queries += req.num_prompt_tokens
             self.prefix_cache_hits += req.num_cached_tokens
@@ -175,6 +178,9 @@ class Scheduler:
                 self.blocks.trim(req)
             else:
                 mark_computed(req, computed)
+                if chunk.num_tokens > 1:
+                    self.num_prefill_tokens += chunk.num_tokens
+                    req.num_prefill_chunks += 1
 
     def park(self, steady: Callable[[Request], bool]) -> list[Request]:
         """Takes the running requests that `steady` picks out of the plan and returns them, in batch order. A parked

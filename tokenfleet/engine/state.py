@@ -23,6 +23,7 @@ def load_report(engine: Any) -> dict[str, float]:
         "kv_usage": round(engine.blocks.usage(), 4),
         "num_blocks": engine.blocks.num_blocks,
         "kv_cache_tokens": engine.blocks.num_blocks * engine.blocks.block_size,
+        "prefill_tokens_total": engine.scheduler.num_prefill_tokens,
     }
 
 

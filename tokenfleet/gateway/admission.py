@@ -111,13 +111,12 @@ async def watch_load(
     admission: Admission, router, interval_s: float, slots_per_replica: int, prefill_tokens_per_s: float
 ) -> None:
     """Every interval, the admission core's load update over the router's pools: the replicas taking work per
-    model, and the replicas' queued prompt tokens from their load reports (the router keeps those fresh)."""
+    model, their queued prompt tokens and their measured prefill rates from their load reports (the router keeps
+    those fresh; `prefill_tokens_per_s` stands in for a replica not measured yet)."""
     while True:
-        taking = {
-            model: sum(not r.draining for r in router.models[model].replicas.values())
-            for model in admission.dispatchers
-        }
-        admission.update_load(taking, slots_per_replica, router.queued_tokens(), prefill_tokens_per_s)
+        taking = {model: router.models[model].taking() for model in admission.dispatchers}
+        rate = sum(router.models[model].prefill_tokens_per_s(prefill_tokens_per_s) for model in admission.dispatchers)
+        admission.update_load(taking, slots_per_replica, router.queued_tokens(), rate)
         await asyncio.sleep(interval_s)
 
 

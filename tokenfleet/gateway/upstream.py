@@ -15,7 +15,7 @@ from tokenfleet import tracing
 from tokenfleet.api.errors import APIError
 from tokenfleet.gateway.stream_client import StreamClient, UpstreamError
 from tokenfleet.logs import REQUEST_ID
-from tokenfleet.router.load import LoadReport, fetch_load
+from tokenfleet.router.load import LoadReport, fetch_load, load_report_from
 
 if TYPE_CHECKING:
     from tokenfleet.replica.server import ReplicaService
@@ -33,14 +33,7 @@ class InProcessUpstream:
             yield chunk
 
     async def load(self) -> LoadReport:
-        report = self.service.engine.state().load
-        return LoadReport(
-            report["running"],
-            report["waiting"] + report["swapped"],
-            report["queued_prefill_tokens"],
-            report["kv_usage"],
-            time.monotonic(),
-        )
+        return load_report_from(self.service.engine.state().load, time.monotonic())
 
 
 class HttpUpstream:

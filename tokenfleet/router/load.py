@@ -27,6 +27,7 @@ PROMETHEUS_NAMES = {
     "running": ("vllm:num_requests_running", "sglang:num_running_reqs"),
     "waiting": ("vllm:num_requests_waiting", "sglang:num_queue_reqs"),
     "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage"),
+    "prefill_tokens_total": ("vllm:prompt_tokens_total", "sglang:prompt_tokens_total"),
 }
 HEALTH_REASONS = {"connect", "timeout", "5xx"}  # LoadUnavailable reasons that say something about the replica
 
@@ -38,6 +39,7 @@ class LoadReport:
     queued_tokens: int  # prompt tokens not yet prefilled; 0 where the server does not tell
     kv_usage: float  # fraction of KV cache blocks in use, 0..1
     fetched_at: float  # time.monotonic() when it arrived
+    prefill_tokens_total: int | None = None  # prompt tokens prefilled since the replica started; None: not told
 
 
 class Upstream(Protocol):
@@ -85,12 +87,18 @@ def parse_load_json(text: str, fetched_at: float) -> LoadReport:
     data = json.loads(text)
     if not isinstance(data, dict):
         raise ValueError("expected a JSON object")
+    return load_report_from(data, fetched_at)
+
+
+def load_report_from(data: dict[str, Any], fetched_at: float) -> LoadReport:
+    """Our replica's load report, as GET /load answers it (or the in-process replica hands it over)."""
     return LoadReport(
         running=int(data["running"]),
         waiting=int(data["waiting"]) + int(data.get("swapped", 0)),
         queued_tokens=int(data["queued_prefill_tokens"]),
         kv_usage=float(data["kv_usage"]),
         fetched_at=fetched_at,
+        prefill_tokens_total=int(data["prefill_tokens_total"]) if "prefill_tokens_total" in data else None,
     )
 
 
@@ -111,12 +119,17 @@ def parse_prometheus(text: str, fetched_at: float) -> LoadReport:
         raise KeyError(f"none of {', '.join(PROMETHEUS_NAMES[field])} in the metrics")
 
     running, waiting, kv = pick("running"), pick("waiting"), pick("kv_usage")
+    try:
+        prefilled: int | None = round(sum(pick("prefill_tokens_total")))
+    except KeyError:  # an older server: the gateway's configured prefill rate stands in
+        prefilled = None
     return LoadReport(
         running=round(sum(running)),
         waiting=round(sum(waiting)),
         queued_tokens=0,
         kv_usage=sum(kv) / len(kv),
         fetched_at=fetched_at,
+        prefill_tokens_total=prefilled,
     )
 
 

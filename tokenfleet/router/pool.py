@@ -93,6 +93,17 @@ class ModelPools:
         replica = self.replicas.get(name)
         if replica is not None:
             replica.state.reported(report.running, report.waiting, report.queued_tokens, report.kv_usage, mark)
+            if report.prefill_tokens_total is not None:
+                replica.state.count_prefill(report.prefill_tokens_total, report.fetched_at)
+
+    def taking(self) -> int:
+        """Replicas taking new work (not draining)."""
+        return sum(not r.draining for r in self.replicas.values())
+
+    def prefill_tokens_per_s(self, unmeasured: float) -> float:
+        """The prefill rate of the replicas taking work together: each one's as measured, `unmeasured` for one not
+        measured yet."""
+        return sum(r.state.prefill_tokens_per_s or unmeasured for r in self.replicas.values() if not r.draining)
 
     def can_serve(self) -> bool:
         """Whether a request can be sent anywhere: a replica that is not draining (healthy, or ejected ones when

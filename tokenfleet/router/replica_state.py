@@ -9,7 +9,7 @@ benchmark), but the live count plus the report's surplus over what this router h
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Queued prefill tokens worth one running sequence: the engine's default per-step token budget, so a replica with
 # 2048 tokens of prefill queued is about one step (one sequence's worth of delay) busier.
@@ -36,6 +36,9 @@ class ReplicaState:
     kv_usage: float = 0.0
     unseen: int = 0  # sequences the last report counted beyond this router's own: other gateways' requests
     healthy: bool = True
+    prefill_tokens_per_s: float = 0.0  # measured while prefill work was queued (0: not yet)
+    # the last report's prefilled total, its time, and whether prefill work was queued then
+    _prefill_count: tuple[int, float, bool] | None = field(default=None, repr=False)
 
     def sequences(self) -> int:
         """Sequences on the replica: this router's, live, and the others the last report saw."""
@@ -71,3 +74,15 @@ class ReplicaState:
         mark = mark or self.mark()
         known = mark.in_flight + (self.started - mark.started)
         self.unseen = max(0, running + waiting - known)
+
+    def count_prefill(self, total: int, at: float) -> None:
+        """The report's count of prompt tokens prefilled so far, after `reported`. Between two reports with prefill
+        work queued at the first, the replica prefilled as fast as it can beside its decodes: that rate (smoothed)
+        is what projects the time to first token. A stretch that was idle at either end says nothing about it."""
+        queued = self.queued_tokens > 0 or self.waiting > 0
+        last, self._prefill_count = self._prefill_count, (total, at, queued)
+        # total < last: the replica restarted
+        if last is None or not (last[2] and queued) or at <= last[1] or total < last[0]:
+            return
+        rate = (total - last[0]) / (at - last[1])
+        self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else 0.5 * (self.prefill_tokens_per_s + rate)

@@ -126,7 +126,9 @@ class SimGateway:
     ) -> int:
         """What watch_load does every interval: size the pool, project TTFT, move the ladder, pause batch from
         level 1 and pace it to the autoscaler's batch gate."""
-        return self.core.update_load({POOL: replicas}, slots_per_replica, replica_queued_tokens, prefill_tokens_per_s)
+        return self.core.update_load(
+            {POOL: replicas}, slots_per_replica, replica_queued_tokens, prefill_tokens_per_s * replicas
+        )
 
     def _scopes_of(self, sreq: SimRequest) -> tuple[Scope, Scope]:
         key = (sreq.tier, sreq.tenant, sreq.user)

@@ -6,6 +6,8 @@ Run by hand, never from the test suite:
     python bench/served_load.py --size small --rates 2 --num-requests 10 --out ''          # quick check
     python bench/served_load.py --size small --rates 1,2,4,8 --num-requests 40             # report
     python bench/served_load.py --model /path/to/hf_checkpoint --systems serve,vllm ...
+    python bench/served_load.py --systems serve --rates 8 --num-requests 20 --client both --out ''   # both clients
+    python bench/served_load.py --preset saturation          # issue 22's table (~70 min on 2 cores, quiet machine)
 
 Every system serves the SAME checkpoint and gets the SAME seeded workload from the SAME client, one system at a time,
 each started as its own subprocess on its own loopback port (127.0.0.1 only), health-checked, warmed up, measured,
@@ -31,13 +33,40 @@ Systems (--systems, comma separated, run in this order):
                 warning) and always sends usage in its last chunk, so the field is left out for it.
 tokenfleet's engine gets --kv-cache-gib too (same KV budget as vLLM); transformers keeps its own KV sizing.
 
-Client: one asyncio client (httpx.AsyncClient, no connection limit) in this process streams POST /v1/chat/completions
-with stream=true, stream_options.include_usage, ignore_eos, temperature 0 and each request's own max_tokens.  For each
-rate in --rates (req/s): --num-requests requests with Poisson arrivals (exponential gaps, seeded; the first at t=0);
-prompts are random words from a fixed word list, cut to a token length uniform in [--prompt-min, --prompt-max]
-(counted with the checkpoint's tokenizer, before the chat template adds its few tokens); max_tokens uniform in
-[--output-min, --output-max].  The workload of a rate is identical for every system.  A rate's window ends when all
-its requests finished or at last arrival + --drain-timeout (unfinished requests count as failed).
+Clients (--client ours|vllm|both, default ours; with both, each run of a rate goes to our client, then to vLLM's):
+  ours  one asyncio client (httpx.AsyncClient, no connection limit) in this process streams POST /v1/chat/completions
+        with stream=true, stream_options.include_usage, ignore_eos, temperature 0 and each request's own max_tokens.
+        For each rate in --rates (req/s): --num-requests requests with Poisson arrivals (exponential gaps, seeded; the
+        first at t=0); prompts are random words from a fixed word list, cut to a token length uniform in
+        [--prompt-min, --prompt-max] (counted with the checkpoint's tokenizer, before the chat template adds its few
+        tokens); max_tokens uniform in [--output-min, --output-max].  A rate's window ends when all its requests
+        finished or at last arrival + --drain-timeout (unfinished requests count as failed).
+  vllm  vLLM's own benchmark client (`vllm bench serve`: vllm.benchmarks.serve's add_cli_args + main, aiohttp) run
+        from the vLLM venv (--vllm-python) in one persistent subprocess, bench/_vllm_bench_client.py (importing vLLM
+        costs seconds of CPU: paid once), with `--backend openai-chat --endpoint /v1/chat/completions --dataset-name
+        random --num-prompts N --request-rate RATE --ignore-eos --temperature 0 --goodput ttft:MS tpot:MS
+        --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 --save-result --save-detailed` (and
+        `--header Authorization=Bearer KEY` for the gateway).  Its random dataset draws prompts of random token ids
+        with a length uniform in [L x (1 - r), L x (1 + r)], L = --random-input-len minus the tokenizer's special
+        tokens, and outputs likewise from --random-output-len: --prompt-min/max and --output-min/max are mapped onto L
+        and r (128-384 and 32-96: L 256, so --random-input-len 257 with a tokenizer that adds a BOS;
+        --random-output-len 64; --random-range-ratio 0.5); the report names the ranges it draws from.  It takes TTFT
+        at the first chunk with a choice (vLLM's server sends its role-only chunk with the first token; tokenfleet
+        sends role and first token in one chunk) and TPOT = (E2E - TTFT)/(output tokens - 1) as ours; the row comes
+        from its result JSON (request_goodput, median/p99 of TTFT, TPOT, ITL and E2E, completed, failed, throughputs);
+        "full-length outputs" compares each request's output tokens with the max tokens it asked for.  Its SSE parser
+        reads every event as `data: <json>`: an `id:` line fails the request (tokenfleet sends ids only when a client
+        asks).  It has no drain deadline of its own: a run that takes longer than arrivals + --drain-timeout + 120 s
+        is killed and counts as failed.
+The workload of a rate is identical for every system (per client).  --repeats K runs every (system, rate) K times,
+each run with its own seeded workload (ours: seed string "served-load/SEED/RATE", then ".../runK"; vLLM's: --seed
+crc32("served-load/SEED/RATE/runK")), so that no run finds the previous one's prompts in a prefix cache; the rows
+then show the MEDIAN of each metric over the runs (others CPU and client lag: the worst run; errors: summed) and the
+min-max spread of goodput and TTFT p99.
+
+--preset saturation (issue 22's workload; any flag given explicitly overrides it): --systems serve,vllm --client
+both --repeats 3 --rates 1,2,4,8,16,32,64 --num-requests 120 --prompt-min 128 --prompt-max 384 --output-min 32
+--output-max 96 --slo-ttft 1 --slo-tpot 0.1 --kv-cache-gib 2 --out docs/benchmarks/served_saturation.md.
 
 Per request: TTFT = first chunk with non-empty delta.content - send time (vLLM and transformers send a role-only chunk
 first; it does not count); ITL = gaps between successive content chunks (per SSE chunk, as the client sees them: a
@@ -63,7 +92,10 @@ tokenfleet extras (with the `gateway` system):
                     the clients disconnected; then the gateway is stopped and the replica resumed (SIGCONT).
 
 Output: a markdown report (--out, default docs/benchmarks/served_load.md) and a JSON next to it; server logs, the
-workload and the raw per-request records stay in the run directory (printed at the end).  --keep-systems-from
+workload and the raw per-request records (ours: requests_SYSTEM.json; vLLM's client: vllm_client/*.json and its log
+vllm_client.log) stay in the run directory (printed at the end).  With vLLM and a tokenfleet system in one run, the
+report opens with a TTFT-vs-rate table per client, side by side (rate | goodput tokenfleet / vLLM | TTFT p50 | TTFT
+p99 | TPOT p50 | others' CPU).  --keep-systems-from
 REPORT.json copies the rows of the systems not run now from an earlier report (marked as such, with that run's date,
 command and workload), so that e.g. a `--systems gateway` rerun still shows the comparison with the others.
 """
@@ -73,9 +105,11 @@ from __future__ import annotations
 import asyncio
 import datetime as _dt
 import json
+import math
 import os
 import random
 import secrets
+import select
 import shlex
 import shutil
 import signal
@@ -84,6 +118,8 @@ import statistics
 import subprocess
 import sys
 import time
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -118,6 +154,23 @@ LABELS = {
     "transformers": "transformers serve --continuous-batching",
 }
 SERVED_NAME = "bench"
+PRESETS = {
+    "saturation": {  # issue 22: time to first token when the burst comes, tokenfleet serve vs vLLM-CPU
+        "systems": "serve,vllm",
+        "client": "both",
+        "repeats": 3,
+        "rates": "1,2,4,8,16,32,64",
+        "num_requests": 120,
+        "prompt_min": 128,
+        "prompt_max": 384,
+        "output_min": 32,
+        "output_max": 96,
+        "slo_ttft": 1.0,
+        "slo_tpot": 0.1,
+        "kv_cache_gib": 2.0,
+        "out": "docs/benchmarks/served_saturation.md",
+    }
+}
 
 
 # ----------------------------------------------------------------------------------------------------------------- #
@@ -125,27 +178,45 @@ SERVED_NAME = "bench"
 # ----------------------------------------------------------------------------------------------------------------- #
 
 
-def make_workload(args, model_dir: Path, rates: list[float]) -> dict:
+def run_seed(seed: int, rate: float, run: int) -> str:
+    """The seed of one run of a rate: run 1 keeps the seed the workload always had (before --repeats)."""
+    return f"served-load/{seed}/{rate:g}" + (f"/run{run}" if run > 1 else "")
+
+
+def vllm_client_seed(seed: int, rate: float, run: int) -> int:
+    """vLLM's client's --seed for one run of a rate (an int: it seeds numpy)."""
+    return zlib.crc32(f"served-load/{seed}/{rate:g}/run{run}".encode())
+
+
+def rate_requests(args, tok, rng: random.Random, rate: float) -> list[dict]:
+    t, reqs = 0.0, []
+    for i in range(args.num_requests):
+        if i:
+            t += rng.expovariate(rate)
+        plen = rng.randint(args.prompt_min, args.prompt_max)
+        reqs.append(
+            {
+                "arrival": t,
+                "content": prompt_text(rng, tok, plen),
+                "content_tokens": plen,
+                "max_tokens": rng.randint(args.output_min, args.output_max),
+            }
+        )
+    return reqs
+
+
+def make_workload(args, model_dir: Path, rates: list[float], repeats: int = 1) -> dict:
+    """Our client's requests: "rates" holds each rate's first run, "repeats" its runs 2..repeats."""
     from tokenizers import Tokenizer  # light (no torch)
 
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    per_rate = {}
+    per_rate, more = {}, {}
     for rate in rates:
-        rng = random.Random(f"served-load/{args.seed}/{rate:g}")  # str seeds are deterministic (sha512)
-        t, reqs = 0.0, []
-        for i in range(args.num_requests):
-            if i:
-                t += rng.expovariate(rate)
-            plen = rng.randint(args.prompt_min, args.prompt_max)
-            reqs.append(
-                {
-                    "arrival": t,
-                    "content": prompt_text(rng, tok, plen),
-                    "content_tokens": plen,
-                    "max_tokens": rng.randint(args.output_min, args.output_max),
-                }
-            )
-        per_rate[f"{rate:g}"] = reqs
+        runs = [
+            rate_requests(args, tok, random.Random(run_seed(args.seed, rate, k)), rate)  # str seeds: sha512
+            for k in range(1, repeats + 1)
+        ]
+        per_rate[f"{rate:g}"], more[f"{rate:g}"] = runs[0], runs[1:]
     rng = random.Random(f"served-load/{args.seed}/warmup")
     warm = [{"content": prompt_text(rng, tok, n), "max_tokens": 16} for n in (16, 500, 64, 128, 256, 32, 400, 200)]
     rng = random.Random(f"served-load/{args.seed}/overhead")
@@ -154,7 +225,19 @@ def make_workload(args, model_dir: Path, rates: list[float]) -> dict:
         n = rng.randint(32, 96)
         overhead.append({"direct": prompt_text(rng, tok, n), "gateway": prompt_text(rng, tok, n), "max_tokens": 8})
     idle = prompt_text(random.Random(f"served-load/{args.seed}/idle"), tok, 32)
-    return {"seed": args.seed, "rates": per_rate, "warmup": warm, "overhead": overhead, "idle_prompt": idle}
+    return {
+        "seed": args.seed,
+        "rates": per_rate,
+        "repeats": more,
+        "warmup": warm,
+        "overhead": overhead,
+        "idle_prompt": idle,
+    }
+
+
+def rate_runs(wl: dict, rate_key: str) -> list[list[dict]]:
+    """Our client's requests of every run of a rate, run 1 first."""
+    return [wl["rates"][rate_key]] + wl.get("repeats", {}).get(rate_key, [])
 
 
 # ----------------------------------------------------------------------------------------------------------------- #
@@ -308,6 +391,257 @@ def summarize(recs: list[dict], wall: float, slo_ttft: float, slo_tpot: float) -
         s[f"{name}_p50"], s[f"{name}_p99"] = pct(xs, 50), pct(xs, 99)
         s[f"{name}_mean"] = statistics.mean(xs) if xs else None
     return s
+
+
+SPREAD_KEYS = ("goodput_rps", "ttft_p99")  # shown as min-max over the runs of a rate
+WORST_KEYS = ("others_cpu", "max_client_lag_s", "cpu_busy_before")  # the worst run's value, not the median
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def combine_runs(runs: list[dict]) -> dict:
+    """One row for the runs of a (system, rate): the median of each metric (others CPU, client lag: the worst run;
+    errors: summed), the min-max of goodput and TTFT p99 ("spread") and each run's headline numbers ("per_run")."""
+    row: dict = {}
+    for key in runs[0]:
+        values = [r.get(key) for r in runs]
+        known = [v for v in values if v is not None]
+        if key == "errors":
+            merged: dict[str, int] = {}
+            for errors in values:
+                for msg, n in (errors or {}).items():
+                    merged[msg] = merged.get(msg, 0) + n
+            row[key] = merged
+        elif not known or not all(_is_number(v) for v in known):
+            row[key] = values[0]
+        elif key in WORST_KEYS:
+            row[key] = max(known)
+        else:
+            row[key] = statistics.median(known)
+    row["runs"] = len(runs)
+    row["spread"] = {
+        key: [min(vs), max(vs)] if (vs := [r[key] for r in runs if r.get(key) is not None]) else None
+        for key in SPREAD_KEYS
+    }
+    row["per_run"] = [
+        {k: r.get(k) for k in ("completed", "goodput_rps", "ttft_p50", "ttft_p99", "tpot_p50", "others_cpu")}
+        for r in runs
+    ]
+    return row
+
+
+# ----------------------------------------------------------------------------------------------------------------- #
+# vLLM's benchmark client (`vllm bench serve`), in the vLLM venv
+# ----------------------------------------------------------------------------------------------------------------- #
+
+VLLM_CLIENT_START_TIMEOUT = 300.0
+VLLM_CLIENT_SLACK = 120.0  # a run's limit beyond arrivals + --drain-timeout (its tokenizer, its dataset)
+
+
+def vllm_length_args(low: int, high: int) -> tuple[int, float]:
+    """(mean, range ratio) with which vLLM's random dataset draws a length uniform in [low, high] (exactly when
+    low + high is even; floor/ceil of a float product may miss by one, so the ratio shrinks by a hair then)."""
+    mean = round((low + high) / 2)
+    ratio = (high - low) / (2 * mean)
+    return mean, ratio if vllm_drawn_range(mean, ratio) == (low, high) else ratio - 1e-9
+
+
+def vllm_drawn_range(mean: int, ratio: float) -> tuple[int, int]:
+    """The lengths vLLM's random dataset draws from, by its own formula (vllm/benchmarks/datasets/utils.py)."""
+    return math.floor(mean * (1 - ratio)), max(1, math.ceil(mean * (1 + ratio)))
+
+
+def vllm_workload_args(args, special_tokens: int) -> dict:
+    """The flags that give vLLM's client our prompt and output length ranges, and the ranges it then draws from."""
+    lin, rin = vllm_length_args(args.prompt_min, args.prompt_max)
+    lout, rout = vllm_length_args(args.output_min, args.output_max)
+    return {
+        "random_input_len": lin + special_tokens,  # it subtracts the tokenizer's special tokens first
+        "random_output_len": lout,
+        "random_range_ratio": repr(rin) if rin == rout else json.dumps({"input": rin, "output": rout}),
+        "input_range": vllm_drawn_range(lin, rin),
+        "output_range": vllm_drawn_range(lout, rout),
+    }
+
+
+class VllmClient:
+    """vLLM's benchmark client in one persistent subprocess of the vLLM venv (bench/_vllm_bench_client.py): each
+    run is one JSON line to it and one back; a run it must be killed in leaves it to be started again."""
+
+    def __init__(self, python: str, tokenizer_dir: Path, log: Path) -> None:
+        self.python, self.tokenizer_dir, self.log = python, tokenizer_dir, log
+        self.proc: subprocess.Popen | None = None
+        self.ready: dict = {}
+        self._pending = b""
+
+    def start(self) -> dict:
+        """Starts it (importing vLLM takes a while); returns its ready line (vllm version, num_special_tokens)."""
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+        for name in ("PYTHONPATH", "OPENAI_API_KEY"):  # its own packages; its key would go into every request
+            env.pop(name, None)
+        self._logf = open(self.log, "a")
+        self.proc = subprocess.Popen(
+            [self.python, str(HERE / "_vllm_bench_client.py"), str(self.tokenizer_dir)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._logf,
+            env=env,
+            cwd=self.log.parent,
+            start_new_session=True,
+        )
+        self._pending = b""
+        self.ready = self._reply(VLLM_CLIENT_START_TIMEOUT)
+        return self.ready
+
+    def run(self, argv: list[str], timeout: float) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            self.close()
+            self.start()
+        self.proc.stdin.write((json.dumps({"argv": argv}) + "\n").encode())
+        self.proc.stdin.flush()
+        reply = self._reply(timeout)
+        if not reply.get("ok"):
+            raise RuntimeError(reply.get("error") or reply)
+
+    def _reply(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.close()
+                raise TimeoutError(f"no answer in {timeout:.0f} s (killed)")
+            if select.select([fd], [], [], left)[0]:
+                data = os.read(fd, 65536)
+                if not data:
+                    self.close()
+                    raise RuntimeError(f"it exited; its log ({self.log}) ends: {_tail(self.log)}")
+                self._pending += data
+        line, self._pending = self._pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.proc.stdin.close()  # its loop ends at end of input
+            self.proc.wait(5)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait(10)
+        self._logf.close()
+        self.proc = None
+
+
+def _tail(log: Path, n: int = 3) -> str:
+    try:
+        return " | ".join(log.read_text(errors="replace").strip().splitlines()[-n:])[-600:]
+    except OSError:
+        return ""
+
+
+def vllm_client_argv(args, served: Served, rate: float, run: int, result: Path, special_tokens: int) -> list[str]:
+    """`vllm bench serve` flags for one run of a rate against `served`."""
+    w = vllm_workload_args(args, special_tokens)
+    argv = [
+        "--backend",
+        "openai-chat",
+        "--endpoint",
+        "/v1/chat/completions",
+        "--base-url",
+        served.base,
+        "--model",
+        served.model,
+        "--tokenizer",
+        str(served.model_dir),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(w["random_input_len"]),
+        "--random-output-len",
+        str(w["random_output_len"]),
+        "--random-range-ratio",
+        w["random_range_ratio"],
+        "--num-prompts",
+        str(args.num_requests),
+        "--request-rate",
+        f"{rate:g}",
+        "--seed",
+        str(vllm_client_seed(args.seed, rate, run)),
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--goodput",
+        f"ttft:{1e3 * args.slo_ttft:g}",
+        f"tpot:{1e3 * args.slo_tpot:g}",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,99",
+        "--disable-tqdm",
+        "--request-id-prefix",  # unique per run: a server may keep ids it saw
+        f"vllm-client-{served.system}-{rate:g}-run{run}-{secrets.token_hex(3)}-",
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        str(result.parent),
+        "--result-filename",
+        result.name,
+    ]
+    if served.headers:
+        argv += ["--header"] + [f"{k}={v}" for k, v in served.headers.items()]
+    return argv
+
+
+def vllm_client_summary(res: dict) -> dict:
+    """Our row's fields from vLLM's client's result JSON (times in s; its own figures, not recomputed)."""
+    n, ok, wall = res.get("num_prompts", 0), res.get("completed", 0), res.get("duration") or 0.0
+    goodput = res.get("request_goodput") or 0.0
+    errors: dict[str, int] = {}
+    for e in res.get("errors") or []:
+        if e:
+            msg = e.strip().splitlines()[-1][:200]
+            errors[msg] = errors.get(msg, 0) + 1
+    out, expected = res.get("output_lens"), res.get("expected_output_lens")
+    s = {
+        "requests": n,
+        "completed": ok,
+        "failed": res.get("failed", n - ok),
+        "wall_s": wall,
+        "output_tokens": res.get("total_output_tokens", 0),
+        "output_tok_s": res.get("output_throughput", 0.0),
+        "req_s": res.get("request_throughput", 0.0),
+        "good": round(goodput * wall),
+        "goodput_rps": goodput,
+        "good_frac": round(goodput * wall) / n if n else 0.0,
+        "full_length": sum(1 for o, x in zip(out, expected) if o == x) if out and expected else None,
+        "mean_prompt_tokens": res["total_input_tokens"] / ok if ok else None,  # from usage: chat template included
+        "mean_output_tokens": res["total_output_tokens"] / ok if ok else None,
+        "max_client_lag_s": None,
+        "errors": errors,
+    }
+    for name, theirs in (("ttft", "ttft"), ("tpot", "tpot"), ("itl", "itl"), ("e2e", "e2el")):
+        for stat, key in (("p50", f"median_{theirs}_ms"), ("p99", f"p99_{theirs}_ms"), ("mean", f"mean_{theirs}_ms")):
+            s[f"{name}_{stat}"] = res[key] / 1e3 if ok and res.get(key) is not None else None  # it says 0 for none
+    return s
+
+
+def vllm_client_run(client: VllmClient, args, served: Served, rate: float, run: int, run_dir: Path) -> dict:
+    result = run_dir / "vllm_client" / f"{served.system}_rate{rate:g}_run{run}.json"
+    result.parent.mkdir(exist_ok=True)
+    argv = vllm_client_argv(args, served, rate, run, result, client.ready.get("num_special_tokens", 0))
+    try:
+        client.run(argv, args.num_requests / rate + args.drain_timeout + VLLM_CLIENT_SLACK)
+        return vllm_client_summary(json.loads(result.read_text()))
+    except Exception as e:  # noqa: BLE001  (the run failed; the next one starts it again)
+        err = f"vLLM's client: {e.__class__.__name__}: {e}"[:300]
+        return vllm_client_summary({"num_prompts": args.num_requests, "errors": [err] * args.num_requests})
 
 
 # ----------------------------------------------------------------------------------------------------------------- #
@@ -805,7 +1139,92 @@ def idle_streams_phase(args, model_dir: Path, replica: Server, prompt: str, run_
 # ----------------------------------------------------------------------------------------------------------------- #
 
 
-def run_system(system: str, args, model_dir: Path, max_len: int, wl: dict, run_dir: Path, ports) -> dict:
+@dataclass
+class Served:
+    """A system under test as the clients see it: its servers (the last one takes the requests), the model name they
+    send, the headers they send (a gateway's API key) and the checkpoint (vLLM's client reads its tokenizer)."""
+
+    system: str
+    servers: list[Server]
+    model: str
+    model_dir: Path
+    headers: dict
+
+    @property
+    def base(self) -> str:
+        return self.servers[-1].base
+
+
+CLIENT_TAGS = {"ours": "our client", "vllm": "vLLM's client"}
+
+
+def in_window(work, *work_args):
+    """work(*work_args) in a timed window: (its result, other processes' CPU share meanwhile, how busy the machine
+    was just before)."""
+    busy = cpu_busy(0.5)
+    probe = CpuProbe()
+    probe.start()
+    t = time.perf_counter()
+    result = work(*work_args)
+    return result, probe.stop(time.perf_counter() - t), busy
+
+
+def run_line(served: Served, client: str, rate_key: str, run: int, repeats: int, summ: dict) -> str:
+    f = lambda x: "-" if x is None else f"{1e3 * x:.0f}"  # noqa: E731
+    others = summ["others_cpu"]
+    return (
+        f"[{served.system}] {CLIENT_TAGS[client]}, rate {rate_key}/s"
+        + (f" run {run}/{repeats}" if repeats > 1 else "")
+        + f": {summ['completed']}/{summ['requests']} ok in {summ['wall_s']:.1f}s, {summ['output_tok_s']:.0f} out "
+        f"tok/s; TTFT p50/p99 {f(summ['ttft_p50'])}/{f(summ['ttft_p99'])} ms, TPOT p50/p99 {f(summ['tpot_p50'])}/"
+        f"{f(summ['tpot_p99'])} ms, goodput {summ['goodput_rps']:.2f} req/s ({summ['good']}/{summ['requests']})"
+        + (f", full length {summ['full_length']}/{summ['completed']}" if summ.get("full_length") is not None else "")
+        + (f"; others used {100 * others:.0f}% CPU" if others is not None else "")
+        + (" -- WARNING: contended" if (others or 0) > CONTENDED else "")
+        + (f"; errors {summ['errors']}" if summ["errors"] else "")
+    )
+
+
+def measure_rates(served: Served, args, wl: dict, vllm_client: VllmClient | None, run_dir: Path, row: dict) -> dict:
+    """Every run (--repeats) of every rate with each client (our client first); fills row["rates"] (our client)
+    and row["vllm_rates"] (vLLM's) with the runs combined; returns our client's per-request records."""
+    raw: dict = {}
+    row["vllm_rates"] = {}
+    for rate_key in wl["rates"]:
+        rate = float(rate_key)
+        runs: dict[str, list[dict]] = {c: [] for c in args.clients}
+        for run, reqs in enumerate(rate_runs(wl, rate_key)[: args.repeats], 1):
+            for client in args.clients:
+                if client == "ours":
+                    (recs, wall), others, busy = in_window(
+                        asyncio.run,
+                        run_rate(served.system, served.base, served.model, reqs, args.drain_timeout, served.headers),
+                    )
+                    summ = summarize(recs, wall, args.slo_ttft, args.slo_tpot)
+                    raw[rate_key if run == 1 else f"{rate_key} run{run}"] = recs
+                else:
+                    summ, others, busy = in_window(vllm_client_run, vllm_client, args, served, rate, run, run_dir)
+                rss = sum(tree_rss(s.proc.pid) for s in served.servers)
+                summ.update(others_cpu=others, cpu_busy_before=busy, server_rss=rss)
+                runs[client].append(summ)
+                print(run_line(served, client, rate_key, run, args.repeats, summ), flush=True)
+                time.sleep(1.0)
+        for client, key in (("ours", "rates"), ("vllm", "vllm_rates")):
+            if runs.get(client):
+                row[key][rate_key] = combine_runs(runs[client])
+    return raw
+
+
+def run_system(
+    system: str,
+    args,
+    model_dir: Path,
+    max_len: int,
+    wl: dict,
+    run_dir: Path,
+    ports,
+    vllm_client: VllmClient | None = None,
+) -> dict:
     row: dict = {"system": system, "label": LABELS[system], "status": "ok", "rates": {}}
     try:
         servers, model = build_servers(system, args, model_dir, max_len, run_dir, ports)
@@ -834,31 +1253,10 @@ def run_system(system: str, args, model_dir: Path, max_len: int, wl: dict, run_d
             f"{', '.join(str(s.log) for s in servers)})",
             flush=True,
         )
-        raw = {}
-        for rate_key, reqs in wl["rates"].items():
-            busy = cpu_busy(0.5)
-            probe = CpuProbe()
-            probe.start()
-            t = time.perf_counter()
-            recs, wall = asyncio.run(run_rate(system, target.base, model, reqs, args.drain_timeout, headers))
-            others = probe.stop(time.perf_counter() - t)
-            summ = summarize(recs, wall, args.slo_ttft, args.slo_tpot)
-            summ.update(others_cpu=others, cpu_busy_before=busy, server_rss=sum(tree_rss(s.proc.pid) for s in servers))
-            row["rates"][rate_key] = summ
-            raw[rate_key] = recs
-            f = lambda x: "-" if x is None else f"{1e3 * x:.0f}"  # noqa: E731
-            print(
-                f"[{system}] rate {rate_key}/s: {summ['completed']}/{summ['requests']} ok in {wall:.1f}s, "
-                f"{summ['output_tok_s']:.0f} out tok/s; TTFT p50/p99 {f(summ['ttft_p50'])}/{f(summ['ttft_p99'])} ms"
-                f", TPOT p50/p99 {f(summ['tpot_p50'])}/{f(summ['tpot_p99'])} ms, goodput {summ['goodput_rps']:.2f}"
-                f" req/s ({summ['good']}/{summ['requests']})"
-                + (f"; others used {100 * others:.0f}% CPU" if others is not None else "")
-                + (" -- WARNING: contended" if (others or 0) > CONTENDED else "")
-                + (f"; errors {summ['errors']}" if summ["errors"] else ""),
-                flush=True,
-            )
-            time.sleep(1.0)
-        (run_dir / f"requests_{system}.json").write_text(json.dumps(raw))
+        served = Served(system, servers, model, model_dir, headers)
+        raw = measure_rates(served, args, wl, vllm_client, run_dir, row)
+        if raw:
+            (run_dir / f"requests_{system}.json").write_text(json.dumps(raw))
         if system == "gateway":
             replica, gateway = servers
             if args.overhead_requests > 0:
@@ -968,6 +1366,168 @@ def _kept_lines(rows: list[dict]) -> list[str]:
     return L
 
 
+def _n(x) -> str:
+    """A count (a median of counts may be a half)."""
+    return "—" if x is None else (f"{x:.0f}" if float(x).is_integer() else f"{x:.1f}")
+
+
+def _others(r: dict) -> str:
+    oc = r.get("others_cpu")
+    return "?" if oc is None else f"{100 * oc:.0f}%" + (" ⚠" if oc > CONTENDED else "")
+
+
+def _spread(r: dict, key: str, show) -> str:
+    """The min–max of a metric over the runs of a rate, in brackets; nothing for a single run."""
+    lo_hi = (r.get("spread") or {}).get(key)
+    return f" [{show(lo_hi[0])}–{show(lo_hi[1])}]" if r.get("runs", 1) > 1 and lo_hi else ""
+
+
+def _goodput(r: dict) -> str:
+    return f"{r['goodput_rps']:.2f}" + _spread(r, "goodput_rps", lambda x: f"{x:.2f}")
+
+
+def _ttft_p99(r: dict) -> str:
+    return _ms(r["ttft_p99"]) + _spread(r, "ttft_p99", _ms)
+
+
+def _runs_text(w: dict) -> str:
+    k = w.get("repeats", 1)
+    if k <= 1:
+        return "One run per system and rate."
+    return (
+        f"{k} runs per system and rate, each with its own seeded workload (no run finds another's prompts in a "
+        "prefix cache): each cell is the MEDIAN over the runs, with the min–max of goodput and TTFT p99 in "
+        "[brackets]; others' CPU and client lag: the worst run; errors: summed."
+    )
+
+
+def _vllm_client_text(w: dict) -> list[str]:
+    v = w.get("vllm_client")
+    if not v:
+        return []
+    return [
+        f"vLLM's benchmark client (vllm-cpu {v['vllm']}'s `vllm bench serve` code, aiohttp, in a subprocess of its "
+        f"venv): `--backend openai-chat --dataset-name random --random-input-len {v['random_input_len']} "
+        f"--random-output-len {v['random_output_len']} --random-range-ratio {v['random_range_ratio']} --num-prompts "
+        f"{w['num_requests']} --request-rate RATE --ignore-eos --temperature 0` — Poisson arrivals, prompts of "
+        f"random token ids, {v['input_range'][0]}–{v['input_range'][1]} tokens before the chat template (its "
+        f"tokenizer adds {v['num_special_tokens']} special token(s), which it subtracts from --random-input-len), "
+        f"outputs {v['output_range'][0]}–{v['output_range'][1]} tokens; its own seed per rate and run, the same for "
+        "every system. Its TTFT is the first chunk with a choice (vLLM's server sends a role-only chunk with the "
+        "first token; tokenfleet's first chunk carries both); its numbers are the ones in its result JSON; "
+        "its requests have no drain deadline.",
+        "",
+    ]
+
+
+def _side_by_side_lines(rep: dict) -> list[str]:
+    """Issue 22's table: per tokenfleet system and client, each rate's numbers next to vLLM's."""
+    peer = next((s for s in rep["systems"] if s["system"] == "vllm" and not s.get("kept_from")), None)
+    if peer is None:
+        return []
+    L = []
+    for tf in (s for s in rep["systems"] if s["system"] in ("serve", "gateway") and not s.get("kept_from")):
+        for key, client in (("vllm_rates", "vLLM's benchmark client"), ("rates", "our client")):
+            ours, theirs = tf.get(key) or {}, peer.get(key) or {}
+            rates = [k for k in ours if k in theirs]
+            if not rates:
+                continue
+            L += [
+                "",
+                f"### {tf['label']} / {peer['label']} — {client}",
+                "",
+                "| rate req/s | goodput tokenfleet / vLLM | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ok | others | "
+                "goodput ≥ vLLM's |",
+                "|---|---|---|---|---|---|---|---|",
+            ]
+            for k in rates:
+                a, b = ours[k], theirs[k]
+                at_least = "yes" if a["goodput_rps"] >= b["goodput_rps"] else "**no**"
+                L.append(
+                    f"| {k} | {_goodput(a)} / {_goodput(b)} | {_ms(a['ttft_p50'])} / {_ms(b['ttft_p50'])} | "
+                    f"{_ttft_p99(a)} / {_ttft_p99(b)} | {_ms(a['tpot_p50'], 1)} / {_ms(b['tpot_p50'], 1)} | "
+                    f"{_n(a['completed'])} / {_n(b['completed'])} | {_others(a)} / {_others(b)} | {at_least} |"
+                )
+    if not L:
+        return []
+    return [
+        "## TTFT vs rate, side by side",
+        "",
+        "Each cell: tokenfleet / vLLM, the same client and workload. Target (issue 22): goodput ≥ vLLM-CPU's at "
+        "every rate, TTFT p99 ≤ vLLM's at 32 req/s. " + _runs_text(rep["workload"]),
+        *L,
+        "",
+    ]
+
+
+def _our_client_lines(rep: dict) -> list[str]:
+    if not any(s.get("rates") or s["status"] != "ok" for s in rep["systems"]):
+        return []
+    L = [
+        "## Summary — our client",
+        "",
+        "| system | rate req/s | ok | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | goodput req/s (met SLO) | "
+        "output tok/s | others | client lag max ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in rep["systems"]:
+        if s["status"] != "ok" and not s.get("rates"):
+            L.append(f"| {s['label']} | — | — | — | — | — | — | — | — | — | {s['status']} |")
+            continue
+        for rate, r in s["rates"].items():
+            lag = r["max_client_lag_s"]
+            L.append(
+                f"| {s['label']} | {rate} | {_n(r['completed'])}/{_n(r['requests'])} | {_ms(r['ttft_p50'])} | "
+                f"{_ttft_p99(r)} | {_ms(r['tpot_p50'], 1)} | {_ms(r['tpot_p99'], 1)} | "
+                f"{_goodput(r)} ({_n(r['good'])}/{_n(r['requests'])}) | {r['output_tok_s']:.0f} | {_others(r)} | "
+                f"{_ms(lag)}{' ⚠' if (lag or 0) > CLIENT_LAG else ''} |"
+            )
+    L += [
+        "",
+        "## Details — our client",
+        "",
+        "| system | rate | ITL p50 | ITL p99 | E2E p50 | E2E p99 | req/s | full-length outputs | content chunks / "
+        "token | mean prompt tokens | server RSS MiB | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for s in rep["systems"]:
+        for rate, r in s.get("rates", {}).items():
+            cpt = "—" if r["chunks_per_token"] is None else f"{r['chunks_per_token']:.2f}"
+            mpt = "—" if r["mean_prompt_tokens"] is None else f"{r['mean_prompt_tokens']:.0f}"
+            err = "; ".join(f"{k} ×{v}" for k, v in r["errors"].items()) or ""
+            L.append(
+                f"| {s['label']} | {rate} | {_ms(r['itl_p50'], 1)} | {_ms(r['itl_p99'], 1)} | "
+                f"{_ms(r['e2e_p50'])} | {_ms(r['e2e_p99'])} | {r['req_s']:.2f} | {_n(r['full_length'])}/"
+                f"{_n(r['completed'])} | {cpt} | {mpt} | {r['server_rss'] / 2**20:.0f} | {err[:200]} |"
+            )
+    return L
+
+
+def _vllm_client_lines(rep: dict) -> list[str]:
+    rows = [(s, rate, r) for s in rep["systems"] for rate, r in (s.get("vllm_rates") or {}).items()]
+    if not rows:
+        return []
+    L = [
+        "",
+        "## Summary — vLLM's benchmark client",
+        "",
+        "| system | rate req/s | ok | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | ITL p50 | ITL p99 | E2E p50 | "
+        "goodput req/s (met SLO) | output tok/s | full-length outputs | mean prompt tokens | others | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for s, rate, r in rows:
+        mpt = "—" if r["mean_prompt_tokens"] is None else f"{r['mean_prompt_tokens']:.0f}"
+        err = "; ".join(f"{k} ×{v}" for k, v in r["errors"].items()) or ""
+        L.append(
+            f"| {s['label']} | {rate} | {_n(r['completed'])}/{_n(r['requests'])} | {_ms(r['ttft_p50'])} | "
+            f"{_ttft_p99(r)} | {_ms(r['tpot_p50'], 1)} | {_ms(r['tpot_p99'], 1)} | {_ms(r['itl_p50'], 1)} | "
+            f"{_ms(r['itl_p99'], 1)} | {_ms(r['e2e_p50'])} | {_goodput(r)} ({_n(r['good'])}/{_n(r['requests'])}) | "
+            f"{r['output_tok_s']:.0f} | {_n(r['full_length'])}/{_n(r['completed'])} | {mpt} | {_others(r)} | "
+            f"{err[:200]} |"
+        )
+    return L
+
+
 def write_report(path: Path, rep: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".json").write_text(json.dumps(rep, indent=1))
@@ -992,12 +1552,14 @@ def write_report(path: Path, rep: dict) -> None:
         f"{c['info'].get('vocab_size')}), float32, random weights. KV cache {w['kv_cache_gib']:g} GiB for tokenfleet "
         "and vLLM; transformers sizes its own.",
         "",
-        f"Workload (same for every system): per rate, {w['num_requests']} requests with Poisson arrivals (seed "
-        f"{w['seed']}); prompts = random words from a fixed list, {w['prompt_min']}–{w['prompt_max']} tokens before "
-        f"the chat template; max_tokens uniform {w['output_min']}–{w['output_max']}; streaming chat completions, "
-        "temperature 0, ignore_eos (transformers: `generation_config` eos_token_id=-1, see notes). One asyncio "
-        f"httpx client in the harness process. A rate's window ends at last arrival + {w['drain_timeout']:g} s.",
+        f"Workload of our client (same for every system): per rate, {w['num_requests']} requests with Poisson "
+        f"arrivals (seed {w['seed']}); prompts = random words from a fixed list, {w['prompt_min']}–{w['prompt_max']} "
+        f"tokens before the chat template; max_tokens uniform {w['output_min']}–{w['output_max']}; streaming chat "
+        "completions, temperature 0, ignore_eos (transformers: `generation_config` eos_token_id=-1, see notes). Our "
+        "client: one asyncio httpx client in the harness process; a rate's window ends at last arrival + "
+        f"{w['drain_timeout']:g} s. " + _runs_text(w),
         "",
+        *_vllm_client_text(w),
         f"**SLO: TTFT <= {slo['ttft_s']:g} s and TPOT <= {1e3 * slo['tpot_s']:g} ms.** Goodput = requests/s that "
         "completed within the SLO (window = first send to last end). TTFT = first non-empty content chunk; ITL = gap "
         'between content chunks; TPOT = (E2E − TTFT)/(output tokens − 1). Times in ms. "Others" = CPU used by '
@@ -1007,47 +1569,7 @@ def write_report(path: Path, rep: dict) -> None:
         "ITL tails -- include that stall).",
         "",
     ]
-    L += [
-        "## Summary",
-        "",
-        "| system | rate req/s | ok | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | goodput req/s (met SLO) | "
-        "output tok/s | others | client lag max ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for s in rep["systems"]:
-        if s["status"] != "ok" and not s.get("rates"):
-            L.append(f"| {s['label']} | — | — | — | — | — | — | — | — | — | {s['status']} |")
-            continue
-        for rate, r in s["rates"].items():
-            oc = (
-                "?"
-                if r.get("others_cpu") is None
-                else f"{100 * r['others_cpu']:.0f}%" + (" ⚠" if r["others_cpu"] > CONTENDED else "")
-            )
-            L.append(
-                f"| {s['label']} | {rate} | {r['completed']}/{r['requests']} | {_ms(r['ttft_p50'])} | "
-                f"{_ms(r['ttft_p99'])} | {_ms(r['tpot_p50'], 1)} | {_ms(r['tpot_p99'], 1)} | "
-                f"{r['goodput_rps']:.2f} ({r['good']}/{r['requests']}) | {r['output_tok_s']:.0f} | {oc} | "
-                f"{_ms(r['max_client_lag_s'])}{' ⚠' if r['max_client_lag_s'] > CLIENT_LAG else ''} |"
-            )
-    L += [
-        "",
-        "## Details",
-        "",
-        "| system | rate | ITL p50 | ITL p99 | E2E p50 | E2E p99 | req/s | full-length outputs | content chunks / "
-        "token | mean prompt tokens | server RSS MiB | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for s in rep["systems"]:
-        for rate, r in s.get("rates", {}).items():
-            cpt = "—" if r["chunks_per_token"] is None else f"{r['chunks_per_token']:.2f}"
-            mpt = "—" if r["mean_prompt_tokens"] is None else f"{r['mean_prompt_tokens']:.0f}"
-            err = "; ".join(f"{k} ×{v}" for k, v in r["errors"].items()) or ""
-            L.append(
-                f"| {s['label']} | {rate} | {_ms(r['itl_p50'], 1)} | {_ms(r['itl_p99'], 1)} | "
-                f"{_ms(r['e2e_p50'])} | {_ms(r['e2e_p99'])} | {r['req_s']:.2f} | {r['full_length']}/"
-                f"{r['completed']} | {cpt} | {mpt} | {r['server_rss'] / 2**20:.0f} | {err[:200]} |"
-            )
+    L += _side_by_side_lines(rep) + _our_client_lines(rep) + _vllm_client_lines(rep)
     gw = next((s for s in rep["systems"] if s["system"] == "gateway"), None)
     if gw and gw.get("overhead"):
         ov = gw["overhead"]
@@ -1153,6 +1675,7 @@ def write_report(path: Path, rep: dict) -> None:
 
 def main(argv=None) -> None:
     p = bench_parser(__doc__)
+    p.epilog = __doc__.split("\n\n", 1)[1]  # the methodology: systems, clients, --repeats, --preset, the report
     add_checkpoint_args(p, "served-checkpoints")
     p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help=f"comma separated, from {ALL_SYSTEMS}")
     p.add_argument("--rates", default="1,2,4,8", help="request rates (req/s), comma separated")
@@ -1177,7 +1700,11 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache of tokenfleet and vLLM")
     p.add_argument("--tokenfleet-args", default="", help="extra flags for `tokenfleet serve` / `tokenfleet replica`")
-    p.add_argument("--vllm-python", default="/tmp/vllm/bin/python")
+    p.add_argument(
+        "--vllm-python",
+        default="/tmp/vllm/bin/python",
+        help="the vLLM venv's python: runs vLLM's server and vLLM's benchmark client",
+    )
     p.add_argument("--vllm-args", default="", help="extra flags for vLLM's server")
     p.add_argument("--transformers-args", default="", help="extra flags for `transformers serve`")
     p.add_argument("--base-port", type=int, default=18400, help="first loopback port to try")
@@ -1202,7 +1729,30 @@ def main(argv=None) -> None:
         metavar="JSON",
         help="do not run anything: rewrite the markdown from a previous run's JSON (plus any --note lines)",
     )
+    p.add_argument(
+        "--client",
+        choices=["ours", "vllm", "both"],
+        default="ours",
+        help="load generator: ours (httpx, in this process), vllm (vLLM's `vllm bench serve` client, from "
+        "--vllm-python's venv) or both (each run of a rate with ours, then with vLLM's)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of each (system, rate), each with its own seeded workload; the report shows each metric's median "
+        "over them and the min-max of goodput and TTFT p99",
+    )
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="a named set of defaults; flags given explicitly override it. saturation (issue 22): "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in PRESETS["saturation"].items()),
+    )
     args = p.parse_args(argv)
+    if args.preset:
+        p.set_defaults(**PRESETS[args.preset])
+        args = p.parse_args(argv)
 
     if args.rerender:
         rep, md = report_to_rerender(args)
@@ -1211,6 +1761,11 @@ def main(argv=None) -> None:
         return
 
     systems = known_names(p, args.systems, ALL_SYSTEMS, "systems")
+    args.clients = ["ours", "vllm"] if args.client == "both" else [args.client]
+    if args.repeats < 1:
+        p.error("--repeats: at least 1")
+    if "vllm" in args.clients and not Path(args.vllm_python).exists():
+        p.error(f"--client {args.client}: vLLM python {args.vllm_python} not found (run bench/setup_peers.sh)")
     kept = kept_rows(Path(args.keep_systems_from), systems) if args.keep_systems_from else []
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
     if not rates or any(r <= 0 for r in rates):
@@ -1226,15 +1781,28 @@ def main(argv=None) -> None:
         p.error(f"prompt-max + output-max (+ chat template) exceed the model's window {max_len}")
     print(f"checkpoint: {model_dir} ({source}; {info['parameters'] / 1e6:.1f}M params)")
     run_dir = make_run_dir(args.run_dir, "tokenfleet-served-")
-    wl = make_workload(args, model_dir, rates)
+    wl = make_workload(args, model_dir, rates, args.repeats)
     (run_dir / "workload.json").write_text(json.dumps(wl))
-    print(f"workload: {len(rates)} rates x {args.num_requests} requests -> {run_dir / 'workload.json'}")
+    print(
+        f"workload: {len(rates)} rates x {args.num_requests} requests x {args.repeats} runs -> "
+        f"{run_dir / 'workload.json'}"
+    )
 
+    vllm_client, vllm_workload = None, None
+    if "vllm" in args.clients:
+        vllm_client = VllmClient(args.vllm_python, model_dir, run_dir / "vllm_client.log")
+        ready = vllm_client.start()  # before the machine is checked idle: it idles between its runs
+        vllm_workload = dict(vllm_workload_args(args, ready["num_special_tokens"]), **ready)
+        print(f"vLLM's client ready (vllm-cpu {ready['vllm']}): {vllm_workload}", flush=True)
     ports = PortAllocator(args.base_port)
     t_all = time.perf_counter()
     rows = []
-    for s in systems:
-        rows.append(run_system(s, args, model_dir, max_len, wl, run_dir, ports))
+    try:
+        for s in systems:
+            rows.append(run_system(s, args, model_dir, max_len, wl, run_dir, ports, vllm_client))
+    finally:
+        if vllm_client is not None:
+            vllm_client.close()
     total = time.perf_counter() - t_all
     print(f"\nall systems done in {total:.0f}s; run dir (workload, logs, raw records): {run_dir}")
     order = {name: i for i, name in enumerate(ALL_SYSTEMS)}
@@ -1242,9 +1810,10 @@ def main(argv=None) -> None:
 
     notes = list(args.note)
     contended = [
-        (r["label"], k, x["others_cpu"])
+        (r["label"] + tag, k, x["others_cpu"])
         for r in rows
-        for k, x in r.get("rates", {}).items()
+        for key, tag in (("rates", ""), ("vllm_rates", " (vLLM's client)"))
+        for k, x in r.get(key, {}).items()
         if (x.get("others_cpu") or 0) > CONTENDED
     ]
     if contended:
@@ -1257,7 +1826,7 @@ def main(argv=None) -> None:
         (r["label"], k, x["max_client_lag_s"])
         for r in rows
         for k, x in r.get("rates", {}).items()
-        if x.get("max_client_lag_s", 0) > CLIENT_LAG
+        if (x.get("max_client_lag_s") or 0) > CLIENT_LAG
     ]
     if lagged:
         notes.append(
@@ -1282,6 +1851,10 @@ def main(argv=None) -> None:
                 "output_max": args.output_max,
                 "drain_timeout": args.drain_timeout,
                 "kv_cache_gib": args.kv_cache_gib,
+                "clients": args.clients,
+                "repeats": args.repeats,
+                "preset": args.preset,
+                "vllm_client": vllm_workload,
             },
             "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
             "idle_after_wait": args.idle_after_wait,

@@ -1,12 +1,35 @@
-"""The `tokenfleet` command line. Each subcommand is one `add_*` function (arguments) plus one `run_*` function,
-registered in COMMANDS; add new subcommands by appending to that table."""
+"""The `tokenfleet` command line. Each subcommand is one function that adds its arguments plus one that runs it,
+registered in COMMANDS (most of them `deferred`: imported from the command's own module only when used); add new
+subcommands by appending to that table."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+
+def deferred(module: str, function: str) -> Callable[[Any], Any]:
+    """`module.function`, imported when first called: each command imports what it needs (the engine's, PyTorch)
+    only when it parses its arguments or runs."""
+
+    def call(arg: Any) -> Any:
+        return getattr(importlib.import_module(module), function)(arg)
+
+    return call
+
+
+def until_done(serve: Callable[[argparse.Namespace], None]) -> Callable[[argparse.Namespace], int]:
+    """A command that serves until it is stopped: its exit status is 0 once it returns."""
+
+    def run(args: argparse.Namespace) -> int:
+        serve(args)
+        return 0
+
+    return run
 
 
 @dataclass(frozen=True)
@@ -64,15 +87,21 @@ def add_drain_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_replica(parser: argparse.ArgumentParser) -> None:
+def add_model_server_arguments(
+    parser: argparse.ArgumentParser, port: int, model_required: bool, name_help: str | None = None
+) -> None:
+    """What a process serving a model takes first: the engine's options, where to listen, the model's name."""
     from tokenfleet.engine.config import add_engine_arguments
 
-    add_engine_arguments(parser)
+    add_engine_arguments(parser, model_required=model_required)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8100)
-    parser.add_argument(
-        "--served-model-name", default=None, help="model name clients use (default: the checkpoint folder's name)"
-    )
+    parser.add_argument("--port", type=int, default=port)
+    parser.add_argument("--served-model-name", default=None, help=name_help)
+
+
+def add_replica(parser: argparse.ArgumentParser) -> None:
+    name_help = "model name clients use (default: the checkpoint folder's name)"
+    add_model_server_arguments(parser, 8100, model_required=True, name_help=name_help)
     add_drain_argument(parser)
     fleet = parser.add_argument_group("fleet registry")
     fleet.add_argument(
@@ -103,20 +132,8 @@ def add_replica(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run_replica(args: argparse.Namespace) -> int:
-    from tokenfleet.commands.replica import serve_replica
-
-    serve_replica(args)
-    return 0
-
-
 def add_serve(parser: argparse.ArgumentParser) -> None:
-    from tokenfleet.engine.config import add_engine_arguments
-
-    add_engine_arguments(parser, model_required=False)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--served-model-name", default=None)
+    add_model_server_arguments(parser, 8000, model_required=False)
     parser.add_argument("--ping-interval", type=float, default=None, help="seconds between SSE heartbeats (15)")
     parser.add_argument(
         "--disconnect-grace",
@@ -153,13 +170,6 @@ def add_serve(parser: argparse.ArgumentParser) -> None:
     add_drain_argument(parser)
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    from tokenfleet.commands.serve import serve_embedded
-
-    serve_embedded(args)
-    return 0
-
-
 def add_gateway(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="fleet.yaml (see docs/architecture.md)")
     parser.add_argument("--host", default=None, help="address to listen on (default: the file's host)")
@@ -170,13 +180,6 @@ def add_gateway(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="gateway processes on this port, sharing Redis and PostgreSQL (needs redis_url); default 1",
     )
-
-
-def run_gateway(args: argparse.Namespace) -> int:
-    from tokenfleet.commands.serve import serve_gateway
-
-    serve_gateway(args)
-    return 0
 
 
 def add_keys(parser: argparse.ArgumentParser) -> None:
@@ -198,81 +201,30 @@ def add_keys(parser: argparse.ArgumentParser) -> None:
         add_database_arguments(action, "its database_url and tiers")
 
 
-def run_keys(args: argparse.Namespace) -> int:
-    from tokenfleet.commands.keys import run_keys_command
-
-    return run_keys_command(args)
-
-
-def add_usage(parser: argparse.ArgumentParser) -> None:
-    from tokenfleet.commands.usage import add_usage_arguments
-
-    add_usage_arguments(parser)
-
-
-def run_usage(args: argparse.Namespace) -> int:
-    from tokenfleet.commands.usage import run_usage_command
-
-    return run_usage_command(args)
-
-
-def add_fleet(parser: argparse.ArgumentParser) -> None:
-    from tokenfleet.commands.fleet import add_fleet_arguments
-
-    add_fleet_arguments(parser)
-
-
-def run_fleet(args: argparse.Namespace) -> int:
-    from tokenfleet.commands.fleet import run_fleet_command
-
-    return run_fleet_command(args)
-
-
-def add_db(parser: argparse.ArgumentParser) -> None:
-    from tokenfleet.commands.database import add_db_arguments
-
-    add_db_arguments(parser)
-
-
-def run_db(args: argparse.Namespace) -> int:
-    from tokenfleet.commands.database import run_db_command
-
-    return run_db_command(args)
-
-
-def add_simulate(parser: argparse.ArgumentParser) -> None:
-    from tokenfleet.sim.command import add_simulate_arguments
-
-    add_simulate_arguments(parser)
-
-
-def run_simulate(args: argparse.Namespace) -> int:
-    from tokenfleet.sim.command import run_simulate_command
-
-    return run_simulate_command(args)
-
-
-def add_eval(parser: argparse.ArgumentParser) -> None:
-    from tokenfleet.commands.eval import add_eval as add_eval_arguments
-
-    add_eval_arguments(parser)
-
-
-def run_eval(args: argparse.Namespace) -> int:
-    from tokenfleet.commands.eval import run_eval as run_eval_command
-
-    return run_eval_command(args)
-
-
 COMMANDS: list[Command] = [
-    Command("serve", "gateway and one replica in one process (demo checkpoint without --model)", add_serve, run_serve),
-    Command("gateway", "the public API in front of replicas listed in a fleet.yaml", add_gateway, run_gateway),
-    Command("replica", "serve one model with the OpenAI-compatible replica server", add_replica, run_replica),
+    Command(
+        "serve",
+        "gateway and one replica in one process (demo checkpoint without --model)",
+        add_serve,
+        until_done(deferred("tokenfleet.commands.serve", "serve_embedded")),
+    ),
+    Command(
+        "gateway",
+        "the public API in front of replicas listed in a fleet.yaml",
+        add_gateway,
+        until_done(deferred("tokenfleet.commands.serve", "serve_gateway")),
+    ),
+    Command(
+        "replica",
+        "serve one model with the OpenAI-compatible replica server",
+        add_replica,
+        until_done(deferred("tokenfleet.commands.replica", "serve_replica")),
+    ),
     Command(
         "fleet",
         "a local fleet in one command: N replicas and a gateway on the local Redis and PostgreSQL",
-        add_fleet,
-        run_fleet,
+        deferred("tokenfleet.commands.fleet", "add_fleet_arguments"),
+        deferred("tokenfleet.commands.fleet", "run_fleet_command"),
     ),
     Command("generate", "generate completions offline for a few prompts", add_generate, run_generate),
     Command(
@@ -284,22 +236,32 @@ COMMANDS: list[Command] = [
     Command(
         "eval",
         "evaluation gate: perplexity, and KL divergence and top-1 agreement against a reference model",
-        add_eval,
-        run_eval,
+        deferred("tokenfleet.commands.eval", "add_eval"),
+        deferred("tokenfleet.commands.eval", "run_eval"),
     ),
-    Command("keys", "create, list and revoke API keys (runs database migrations first)", add_keys, run_keys),
-    Command("db", "create the database when missing and migrate it (db init)", add_db, run_db),
+    Command(
+        "keys",
+        "create, list and revoke API keys (runs database migrations first)",
+        add_keys,
+        deferred("tokenfleet.commands.keys", "run_keys_command"),
+    ),
+    Command(
+        "db",
+        "create the database when missing and migrate it (db init)",
+        deferred("tokenfleet.commands.database", "add_db_arguments"),
+        deferred("tokenfleet.commands.database", "run_db_command"),
+    ),
     Command(
         "usage",
         "tokens and cost by organisation, user, model and day; cost per million output tokens",
-        add_usage,
-        run_usage,
+        deferred("tokenfleet.commands.usage", "add_usage_arguments"),
+        deferred("tokenfleet.commands.usage", "run_usage_command"),
     ),
     Command(
         "simulate",
         "simulate a fleet (gateway, quotas, router, replicas) in simulated time: docs/simulator.md",
-        add_simulate,
-        run_simulate,
+        deferred("tokenfleet.sim.command", "add_simulate_arguments"),
+        deferred("tokenfleet.sim.command", "run_simulate_command"),
     ),
 ]
 

@@ -5,9 +5,10 @@ Every route acts for the caller's own user; another user's ids answer 404, as if
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -17,7 +18,7 @@ from tokenfleet.api.errors import APIError, bad_request, conflict, not_found
 from tokenfleet.api.http import install_error_handler, read_json, until_disconnect
 from tokenfleet.api.protocol import parse
 from tokenfleet.conversations.cursors import BadCursor
-from tokenfleet.conversations.records import Conflict, Conversation, Message
+from tokenfleet.conversations.records import Conflict, Conversation, Message, Page
 from tokenfleet.conversations.run import Run
 from tokenfleet.conversations.service import ConversationService, ReplyOptions, owner_of
 from tokenfleet.conversations.settings import ConversationSettings
@@ -105,8 +106,10 @@ def message_json(m: Message) -> dict:
     return body
 
 
-def page_json(data: list[dict], next_cursor: str | None) -> dict:
-    return {"object": "list", "data": data, "has_more": next_cursor is not None, "next_cursor": next_cursor}
+def page_json(page: Page, item_json: Callable[[Any], dict]) -> dict:
+    """A listing's page as the API shows it: its items through `item_json`, and the cursor of the next page."""
+    data = [item_json(item) for item in page.data]
+    return {"object": "list", "data": data, "has_more": page.next_cursor is not None, "next_cursor": page.next_cursor}
 
 
 @contextmanager
@@ -186,7 +189,7 @@ def _conversation_routes(app: FastAPI, gateway: Gateway, service: ConversationSe
             page = await store.list_conversations(
                 owner_of(caller), _limit(request, settings), request.query_params.get("cursor")
             )
-        return page_json([conversation_json(c) for c in page.data], page.next_cursor)
+        return page_json(page, conversation_json)
 
     @app.get("/v1/conversations/{conversation_id}")
     async def get(conversation_id: str, request: Request) -> dict:
@@ -228,7 +231,7 @@ def _message_routes(app: FastAPI, gateway: Gateway, service: ConversationService
                 request.query_params.get("cursor"),
                 newest_first=order == "desc",
             )
-        return page_json([message_json(m) for m in page.data], page.next_cursor)
+        return page_json(page, message_json)
 
     @app.get("/v1/messages/{message_id}")
     async def message(message_id: str, request: Request) -> dict:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
 
-from sqlalchemy import and_, delete, func, or_, select, update
+from sqlalchemy import ColumnElement, and_, delete, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from tokenfleet.conversations import cursors
@@ -49,6 +49,16 @@ def storable(text: str) -> str:
     """Generated text as the database takes it: PostgreSQL refuses NUL characters, which a byte-level tokenizer
     can produce; they become U+FFFD, as undecodable bytes do."""
     return text.replace("\x00", "\ufffd")
+
+
+def owned_by(owner: Owner) -> ColumnElement[bool]:
+    """The scope of every query: the conversations of this user of this organisation (see `owner_columns`)."""
+    return and_(ConversationRow.org_id == owner.org_id, ConversationRow.user_id == owner.user_id)
+
+
+def owner_columns(owner: Owner) -> dict[str, str]:
+    """What makes a new conversation the owner's, for `owned_by` to find."""
+    return {"org_id": owner.org_id, "user_id": owner.user_id}
 
 
 def conversation(row: ConversationRow) -> Conversation:
@@ -115,8 +125,7 @@ class ConversationStore:
         now = utcnow()
         row = ConversationRow(
             id=new_id("conv"),
-            org_id=owner.org_id,
-            user_id=owner.user_id,
+            **owner_columns(owner),
             title=title,
             system_prompt=system_prompt,
             model=model,
@@ -134,11 +143,7 @@ class ConversationStore:
 
     async def _owned(self, session: AsyncSession, owner: Owner, conversation_id: str) -> ConversationRow:
         row = await session.scalar(
-            select(ConversationRow).where(
-                ConversationRow.id == conversation_id,
-                ConversationRow.org_id == owner.org_id,
-                ConversationRow.user_id == owner.user_id,
-            )
+            select(ConversationRow).where(ConversationRow.id == conversation_id, owned_by(owner))
         )
         if row is None:
             raise NotFound(f"no conversation {conversation_id!r}")
@@ -148,7 +153,7 @@ class ConversationStore:
         """The owner's conversations, most recently active first."""
         query = (
             select(ConversationRow)
-            .where(ConversationRow.org_id == owner.org_id, ConversationRow.user_id == owner.user_id)
+            .where(owned_by(owner))
             .order_by(ConversationRow.updated_at.desc(), ConversationRow.id.desc())
             .limit(limit + 1)
         )
@@ -242,11 +247,7 @@ class ConversationStore:
         row = await session.scalar(
             select(MessageRow)
             .join(ConversationRow, MessageRow.conversation_id == ConversationRow.id)
-            .where(
-                MessageRow.id == message_id,
-                ConversationRow.org_id == owner.org_id,
-                ConversationRow.user_id == owner.user_id,
-            )
+            .where(MessageRow.id == message_id, owned_by(owner))
         )
         if row is None:
             raise NotFound(f"no message {message_id!r}")
@@ -258,11 +259,7 @@ class ConversationStore:
         """Locks the conversation for this transaction (see the module's docstring)."""
         touched = await session.execute(
             update(ConversationRow)
-            .where(
-                ConversationRow.id == conversation_id,
-                ConversationRow.org_id == owner.org_id,
-                ConversationRow.user_id == owner.user_id,
-            )
+            .where(ConversationRow.id == conversation_id, owned_by(owner))
             .values(updated_at=utcnow())
         )
         if touched.rowcount == 0:

@@ -5,18 +5,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from tokenfleet.quota.base import (
-    Decision,
-    Remaining,
-    Reservation,
-    Scope,
-    check_extend,
-    check_reservation,
-    check_reserve,
-)
+from tokenfleet.quota.base import Decision, Remaining, Reservation, Scope
+from tokenfleet.quota.checked import CheckedQuota
 from tokenfleet.quota.rules import DAY_S, ScopeState, day_name, day_number, decide, fits, room
 
 
@@ -36,7 +29,7 @@ class _ScopeData:
     keep_until: float = 0.0  # after this, forgetting the scope changes nothing (buckets full, no leases, day over)
 
 
-class MemoryQuota:
+class MemoryQuota(CheckedQuota):
     name = "memory"
 
     def __init__(
@@ -56,8 +49,7 @@ class MemoryQuota:
         self._reconciled: dict[str, float] = {}  # request id -> marker expiry
         self._swept = 0.0
 
-    async def reserve(self, request_id: str, scopes: Sequence[Scope], tokens: int, tier: str = "default") -> Decision:
-        scopes = check_reserve(request_id, scopes, tokens)
+    async def _reserve(self, request_id: str, scopes: tuple[Scope, ...], tokens: int) -> Decision:
         now = self.clock()
         self._sweep(now)
         day = int(now // DAY_S)
@@ -69,8 +61,7 @@ class MemoryQuota:
             reservation = Reservation(request_id, scopes, tokens, day_name(day), self.name)
         return decide(states, tokens, reservation, now, self.concurrency_retry_s)
 
-    async def reconcile(self, reservation: Reservation, used_tokens: int) -> None:
-        check_reservation(reservation, used_tokens)
+    async def _reconcile(self, reservation: Reservation, used_tokens: int) -> None:
         now = self.clock()
         if self._reconciled.get(reservation.request_id, 0.0) > now:
             return
@@ -86,8 +77,7 @@ class MemoryQuota:
             if scope.limits.tokens_per_day and data.day == day:
                 data.used = max(0, data.used + extra)
 
-    async def extend(self, reservation: Reservation, at_least: int, at_most: int) -> Reservation | None:
-        check_extend(reservation, at_least, at_most)
+    async def _extend(self, reservation: Reservation, at_least: int, at_most: int) -> Reservation | None:
         now = self.clock()
         if self._reconciled.get(reservation.request_id, 0.0) > now:
             return None

@@ -8,22 +8,15 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
 import redis.asyncio as aioredis
 
 from tokenfleet.quota import lua
-from tokenfleet.quota.base import (
-    Decision,
-    Remaining,
-    Reservation,
-    Scope,
-    check_extend,
-    check_reservation,
-    check_reserve,
-)
+from tokenfleet.quota.base import Decision, Remaining, Reservation, Scope
+from tokenfleet.quota.checked import CheckedQuota
 from tokenfleet.quota.limits import Limits
 from tokenfleet.quota.rebalance import Rebalancer
 from tokenfleet.quota.redis_client import RedisStore, Script, connect, text
@@ -37,7 +30,7 @@ CACHED_SCOPES = 65_536  # scopes whose key names are kept (least recently used b
 log = logging.getLogger("tokenfleet.quota")
 
 
-class RedisQuota:
+class RedisQuota(CheckedQuota):
     """`client`: a redis.asyncio client (use `from_url` for one with the short timeouts and no retries this needs).
     `hot_tenants`: tenant -> number of slices; `slice_index`: which slice this gateway draws from."""
 
@@ -118,8 +111,7 @@ class RedisQuota:
     def _make_scope_keys(self, tag: str, name: str) -> tuple[str, str]:
         return self.store.key(tag, name, "q"), self.store.key(tag, name, "leases")
 
-    async def reserve(self, request_id: str, scopes: Sequence[Scope], tokens: int, tier: str = "default") -> Decision:
-        scopes = check_reserve(request_id, scopes, tokens)
+    async def _reserve(self, request_id: str, scopes: tuple[Scope, ...], tokens: int) -> Decision:
         plan = self.plan(scopes[0].tenant)
         limits = [plan.limits(s.limits) for s in scopes]
         keys = [k for s in scopes for k in self._keys(plan, s)]
@@ -138,8 +130,7 @@ class RedisQuota:
             reservation = Reservation(request_id, scopes, tokens, day_name(day), self.name, plan.index)
         return decide(states, tokens, reservation, now, self.concurrency_retry_s)
 
-    async def reconcile(self, reservation: Reservation, used_tokens: int) -> None:
-        check_reservation(reservation, used_tokens)
+    async def _reconcile(self, reservation: Reservation, used_tokens: int) -> None:
         plan = self.plan(reservation.scopes[0].tenant, reservation.slice)
         keys = [k for s in reservation.scopes for k in self._keys(plan, s)]
         keys.append(self.store.key(plan.tag, "reconciled", reservation.request_id))
@@ -157,8 +148,7 @@ class RedisQuota:
         ]
         await self.store.run(RECONCILE, keys, args)
 
-    async def extend(self, reservation: Reservation, at_least: int, at_most: int) -> Reservation | None:
-        check_extend(reservation, at_least, at_most)
+    async def _extend(self, reservation: Reservation, at_least: int, at_most: int) -> Reservation | None:
         plan = self.plan(reservation.scopes[0].tenant, reservation.slice)
         keys = [self._keys(plan, s)[0] for s in reservation.scopes]
         keys.append(self.store.key(plan.tag, "reconciled", reservation.request_id))

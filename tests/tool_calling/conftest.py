@@ -14,7 +14,7 @@ from tests.gateway.conftest import TENANCY, Platform, with_tenants
 from tests.servers import free_port, running_process
 
 from .template_checkpoints import with_template
-from .templates import LLAMA31, MISTRAL, QWEN3, R1
+from .templates import LLAMA31, MISTRAL, MISTRAL_V11, QWEN3, R1
 
 
 class Place(BaseModel):
@@ -59,7 +59,8 @@ def template_models(demo_model_dir, tmp_path_factory) -> dict[str, Path]:
     return {
         "qwen3": with_template(demo_model_dir, root / "qwen3", QWEN3),
         "llama3": with_template(demo_model_dir, root / "llama3", LLAMA31),
-        "mistral": with_template(demo_model_dir, root / "mistral", MISTRAL, special_token="[TOOL_CALLS]"),
+        "mistral": with_template(demo_model_dir, root / "mistral", MISTRAL, "[TOOL_CALLS]"),
+        "mistral_v11": with_template(demo_model_dir, root / "mistral_v11", MISTRAL_V11, "[TOOL_CALLS]", "[ARGS]"),
         "r1": with_template(demo_model_dir, root / "r1", R1),
     }
 

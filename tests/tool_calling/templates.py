@@ -1,5 +1,5 @@
 """Chat templates of the families whose tool calls we parse, written after the checkpoints' own (Qwen3's, Llama
-3.1's, Mistral 7B v0.3's), and an R1-style one whose generation prompt opens the thinking. The demo checkpoint's
+3.1's, Mistral 7B v0.3's, Mistral-Small-3.2's with tokenizer v11 calls), and an R1-style one whose generation prompt opens the thinking. The demo checkpoint's
 template is plain ChatML without tools; the tests put these on copies of it (template_checkpoints.py)."""
 
 QWEN3 = r"""
@@ -238,6 +238,47 @@ MISTRAL = r"""
         {{- '"call_id": "' + message.tool_call_id + '"}[/TOOL_RESULTS]' }}
     {%- else %}
         {{- raise_exception("Only user and assistant roles are supported, with the exception of an initial optional system message!") }}
+    {%- endif %}
+{%- endfor %}
+""".strip()
+
+MISTRAL_V11 = r"""
+{%- set default_system_message = "You are a helpful assistant." %}
+{{- bos_token }}
+{%- if messages[0]["role"] == "system" %}
+    {%- set system_message = messages[0]["content"] %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = default_system_message %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{{- "[SYSTEM_PROMPT]" + system_message + "[/SYSTEM_PROMPT]" }}
+{%- if tools is defined and tools is not none and tools|length > 0 %}
+    {{- "[AVAILABLE_TOOLS]" + tools|tojson + "[/AVAILABLE_TOOLS]" }}
+{%- endif %}
+{%- for message in loop_messages %}
+    {%- if message["role"] == "user" %}
+        {{- "[INST]" + message["content"] + "[/INST]" }}
+    {%- elif message["role"] == "assistant" %}
+        {%- if message["content"] is string %}
+            {{- message["content"] }}
+        {%- endif %}
+        {%- if message["tool_calls"] is defined and message["tool_calls"] is not none %}
+            {%- for tool in message["tool_calls"] %}
+                {%- set arguments = tool["function"]["arguments"] %}
+                {%- if arguments is not string %}
+                    {%- set arguments = arguments|tojson %}
+                {%- elif arguments == "" %}
+                    {%- set arguments = "{}" %}
+                {%- endif %}
+                {{- "[TOOL_CALLS]" + tool["function"]["name"] + "[ARGS]" + arguments }}
+            {%- endfor %}
+        {%- endif %}
+        {{- eos_token }}
+    {%- elif message["role"] == "tool" %}
+        {{- "[TOOL_RESULTS]" + message["content"]|string + "[/TOOL_RESULTS]" }}
+    {%- else %}
+        {{- raise_exception("Only user, assistant and tool roles are supported, got " + message["role"] + ".") }}
     {%- endif %}
 {%- endfor %}
 """.strip()

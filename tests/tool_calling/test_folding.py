@@ -1,6 +1,7 @@
 """What the gateway makes of a replica's streamed tool calls: the chat completion a non-streaming client gets
-(gateway/aggregate.py), the Responses API's items and events (gateway/responses_format.py), the usage record's
-reasoning tokens, and a stored response read back as the next turn's messages."""
+(gateway/aggregate.py), the Responses API's items and events (gateway/responses_format.py: reasoning, message and
+function call items), the usage record's reasoning tokens, and a stored response read back as the next turn's
+messages."""
 
 from __future__ import annotations
 
@@ -83,6 +84,13 @@ def test_responses_items_come_one_after_the_other_in_openais_order():
         "response.in_progress",
         "response.output_item.added",
         "response.content_part.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.content_part.added",
         "response.output_text.delta",
         "response.output_text.done",
         "response.content_part.done",
@@ -101,15 +109,27 @@ def test_responses_items_come_one_after_the_other_in_openais_order():
     ]
     final = bodies[-1]["response"]
     assert final["status"] == "completed" and final["usage"]["output_tokens_details"] == {"reasoning_tokens": 3}
-    message, weather, time = final["output"]
+    reasoning, message, weather, time = final["output"]
+    assert reasoning == {
+        "id": reasoning["id"],
+        "type": "reasoning",
+        "status": "completed",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": "Thinking."}],
+    }
     assert message["content"][0]["text"] == "Checking." and message["status"] == "completed"
     assert (weather["type"], weather["call_id"], weather["name"]) == ("function_call", "call_0", "get_weather")
     assert weather["arguments"] == '{"city": "Oslo"}' and time["arguments"] == '{"tz": "UTC"}'
-    assert [b["output_index"] for b in bodies if b["type"] == "response.output_item.added"] == [0, 1, 2]
+    assert [b["output_index"] for b in bodies if b["type"] == "response.output_item.added"] == [0, 1, 2, 3]
+    assert [b["part"]["type"] for b in bodies if b["type"] == "response.content_part.added"] == [
+        "reasoning_text",
+        "output_text",
+    ]
     stored = StoredResponse("resp_1", "req", None, [{"role": "user", "content": "Hi"}], final)
     assert stored.turn()[-1] == {
         "role": "assistant",
         "content": "Checking.",
+        "reasoning_content": "Thinking.",
         "tool_calls": [
             {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
             {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}},

@@ -1,5 +1,5 @@
 """tool_choice `required` and a named function through the engine, for each format (Hermes on a Qwen3 template,
-Llama 3's JSON, Mistral's [TOOL_CALLS] as a special token): the request's plan (template, format, grammar,
+Llama 3's JSON, Mistral's [TOOL_CALLS] as a special token, and its v11 `[TOOL_CALLS]name[ARGS]{...}` calls): the request's plan (template, format, grammar,
 sampling) as the replica makes it, random weights, greedy and sampled; every output that stops is parsed into
 calls whose arguments validate against their tool's schema. Also the plan's refusals and where thinking starts."""
 
@@ -47,7 +47,7 @@ def generate(llm: LLM, req: ChatCompletionRequest) -> tuple[ChatPlan, list]:
     return plan, parsed
 
 
-@pytest.fixture(scope="module", params=["qwen3", "llama3", "mistral"])
+@pytest.fixture(scope="module", params=["qwen3", "llama3", "mistral", "mistral_v11"])
 def llm(request, template_models) -> LLM:
     return LLM(str(template_models[request.param]), **SMALL_KV)
 
@@ -97,6 +97,19 @@ def test_the_mistral_trigger_is_kept_as_text_where_it_is_a_special_token(templat
     plan, parsed = generate(llm, request(tool_choice="required"))
     assert plan.keep_special_tokens and "<[" in plan.grammar.spec  # the token itself, not its spelling
     assert all(out.text.startswith("[TOOL_CALLS]") for out, _ in parsed if out.finish_reason == "stop")
+
+
+def test_mistral_v11_calls_are_its_two_special_tokens_and_a_name(template_models):
+    llm = LLM(str(template_models["mistral_v11"]), **SMALL_KV)
+    plan, parsed = generate(llm, request(tool_choice="required"))
+    assert plan.keep_special_tokens and plan.tool_format.name == "mistral_v11"
+    tool_calls, args = (f"<[{llm.tokenizer.token_to_id(token)}]>" for token in ("[TOOL_CALLS]", "[ARGS]"))
+    assert tool_calls in plan.grammar.spec and args in plan.grammar.spec
+    stopped = [(out, output) for out, output in parsed if out.finish_reason == "stop"]
+    assert stopped
+    for out, output in stopped:  # the text is the calls, nothing else
+        assert out.text == "".join(f"[TOOL_CALLS]{c.name}[ARGS]{c.arguments}" for c in output.tool_calls)
+        assert output.content == ""
 
 
 def test_plans_refuse_what_they_cannot_serve(template_models, demo_model_dir):

@@ -1,5 +1,5 @@
 """The tool-call parsers on hand-written model outputs of each format (Hermes as Qwen writes it, Llama 3's JSON,
-Mistral's [TOOL_CALLS]), well formed and not: whatever the text and however it is cut into stream pieces, the
+Mistral's [TOOL_CALLS] array and its v11 `[TOOL_CALLS]name[ARGS]{...}` calls), well formed and not: whatever the text and however it is cut into stream pieces, the
 parser never raises, complete calls come out whole, and text that is not a complete call comes back as content.
 Also the JSON scanner under them, the reasoning splitter and the two together as one chat choice's output."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from tokenfleet.api.chat_output import ChatOutput
 from tokenfleet.api.reasoning import ReasoningSplitter, Start, start_from_prompt
-from tokenfleet.api.tool_parsers import HERMES, LLAMA3_JSON, MISTRAL, format_for_template
+from tokenfleet.api.tool_parsers import HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_V11, format_for_template
 from tokenfleet.api.tool_parsers.format import ToolFormat
 from tokenfleet.api.tool_parsers.json_scan import JsonScanner, JsonSyntaxError
 from tokenfleet.api.tool_parsers.mistral import history_id
@@ -20,6 +20,7 @@ from tokenfleet.api.tool_parsers.pieces import CallArguments, CallDone, CallStar
 
 from .templates import LLAMA31, QWEN3, R1
 from .templates import MISTRAL as MISTRAL_TEMPLATE
+from .templates import MISTRAL_V11 as MISTRAL_V11_TEMPLATE
 
 NAMES = ("get_weather", "get_time")
 CHUNK_SIZES = (1, 2, 3, 7, 10_000)
@@ -141,6 +142,66 @@ def test_mistral_array_of_calls_with_the_special_token():
     assert parsed_every_way(MISTRAL, "[TOOL_CALLS] []").content == "[TOOL_CALLS] []"
 
 
+def v11(name: str, arguments: dict | str) -> str:
+    return f"[TOOL_CALLS]{name}[ARGS]" + (arguments if isinstance(arguments, str) else json.dumps(arguments))
+
+
+def test_mistral_v11_calls_one_after_the_other_stream_as_openai_deltas():
+    text = "Checking both. " + v11("get_weather", WEATHER) + v11("get_time", {"tz": "CET"}) + v11("get_time", "{}")
+    out = parsed_every_way(MISTRAL_V11, text)
+    assert out.content == "Checking both. "
+    assert out.complete == [("get_weather", WEATHER), ("get_time", {"tz": "CET"}), ("get_time", {})]
+    assert all(len(call[0]) == 9 and call[0].isalnum() for call in out.calls.values())
+    assert len({call[0] for call in out.calls.values()}) == 3
+    parser = MISTRAL_V11.parser(NAMES)  # the exact pieces, cut where a detokenizer could cut
+    assert parser.feed("[TOOL_CALLS]get_wea") == []
+    [start] = parser.feed("ther[ARGS]")
+    assert isinstance(start, CallStart) and (start.index, start.name) == (0, "get_weather")
+    assert parser.feed('{"city": "Pa') == [CallArguments(0, '{"city": "Pa')]
+    assert parser.feed('ris"}[TOOL_CALLS]get_time') == [CallArguments(0, 'ris"}'), CallDone(0)]
+    [start, arguments, done] = parser.feed("[ARGS]{}")
+    assert (start.index, start.name, arguments, done) == (1, "get_time", CallArguments(1, "{}"), CallDone(1))
+    assert parser.finish() == []
+    assert parse(MISTRAL_V11, text, 1).argument_pieces > 10
+
+
+def test_mistral_v11_text_after_calls_is_content_and_without_the_marker_the_brace_ends_the_name():
+    assert parsed_every_way(MISTRAL_V11, v11("get_time", {}) + "\n\n").content == ""
+    out = parsed_every_way(MISTRAL_V11, v11("get_time", {}) + " Done.")
+    assert out.complete == [("get_time", {})] and out.content == " Done."
+    assert parsed_every_way(MISTRAL_V11, '[TOOL_CALLS]get_time{"tz": "UTC"}').complete == [("get_time", {"tz": "UTC"})]
+    first_only = parsed_every_way(MISTRAL_V11, v11("get_time", {}) + v11("get_weather", {}), max_calls=1)
+    assert first_only.complete == [("get_time", {})] and first_only.content == ""
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Par',  # half a call (max_tokens)
+        "[TOOL_CALLS]rm_rf[ARGS]{}",  # not one of the tools
+        "[TOOL_CALLS]get_time[ARG]{}",  # a broken marker
+        "[TOOL_CALLS]get_time[ARGS][1]",  # arguments not an object
+        '[TOOL_CALLS]get_time[ARGS]{"a": 01}',  # a number JSON does not allow
+        "[TOOL_CALLS]get time[ARGS]{}",  # not a name
+        "[TOOL_CALLS][ARGS]{}",  # no name
+        "[TOOL_CALLS]" + "f" * 65 + "[ARGS]{}",  # a name longer than any tool's
+        "[TOOL_CALLS]get_time",
+        "[TOOL_CALLS]",
+        "[TOOL_CA",
+    ],
+)
+def test_mistral_v11_text_that_is_not_a_whole_call_comes_back_as_content(text):
+    out = parsed_every_way(MISTRAL_V11, "Hi. " + text)
+    assert out.complete == [] and out.content == "Hi. " + text
+    assert all(not done for *_, done in out.calls.values())
+
+
+def test_mistral_v11_a_broken_call_after_a_whole_one_keeps_the_whole_one():
+    out = parsed_every_way(MISTRAL_V11, v11("get_time", {}) + '[TOOL_CALLS]get_weather[ARGS]{"city": "P')
+    assert out.complete == [("get_time", {})]
+    assert out.content == '[TOOL_CALLS]get_weather[ARGS]{"city": "P'
+
+
 def test_llama_json_calls_are_the_whole_output():
     text = ' {"name": "get_weather", "parameters": ' + json.dumps(WEATHER) + '}; {"name": "get_time", "parameters": {}}'
     out = parsed_every_way(LLAMA3_JSON, text)
@@ -157,6 +218,7 @@ def test_formats_are_chosen_by_the_template():
     assert format_for_template(QWEN3) is HERMES
     assert format_for_template(LLAMA31) is LLAMA3_JSON
     assert format_for_template(MISTRAL_TEMPLATE) is MISTRAL
+    assert format_for_template(MISTRAL_V11_TEMPLATE) is MISTRAL_V11
     assert format_for_template(R1) is None and format_for_template(None) is None
 
 

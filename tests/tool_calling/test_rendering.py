@@ -55,6 +55,12 @@ def test_mistral_gets_ids_it_accepts(template_models):
     assert '[TOOL_RESULTS] {"content": sunny, "call_id": "pqrstuvwx"}[/TOOL_RESULTS]' in prompt
 
 
+def test_mistral_v11_renders_calls_as_name_and_arguments(template_models):
+    prompt = rendered(template_models["mistral_v11"])
+    assert '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}<|end_of_text|>[TOOL_RESULTS]sunny[/TOOL_RESULTS]' in prompt
+    assert '[AVAILABLE_TOOLS][{"type": "function", "function": {"name": "get_weather"' in prompt
+
+
 def test_an_assistants_reasoning_goes_back_to_templates_that_keep_it(template_models):
     thought = {**CONVERSATION[1], "reasoning_content": "Paris is in France."}
     tokenizer = Tokenizer.from_dir(template_models["qwen3"])

@@ -1,7 +1,9 @@
 """A relayed chat generation written as the Responses API's stream (`POST /v1/responses`): typed events, each
 with its `sequence_number`, in OpenAI's order: response.created, response.in_progress, then each output item in
-turn (a message: response.output_item.added, response.content_part.added, response.output_text.delta...,
-response.output_text.done, response.content_part.done, response.output_item.done; a function call:
+turn (the model's thinking, for templates that think: a reasoning item whose one content part is its text,
+response.output_item.added, response.content_part.added, response.reasoning_text.delta...,
+response.reasoning_text.done, response.content_part.done, response.output_item.done; a message: the same with
+response.output_text.delta... and response.output_text.done; a function call:
 response.output_item.added, response.function_call_arguments.delta..., response.function_call_arguments.done,
 response.output_item.done), and response.completed (or response.incomplete when it stopped on
 max_output_tokens, response.failed after an error). The same object keeps the response as it grows, for a
@@ -25,9 +27,9 @@ STOPPED = ("stop", "tool_calls")  # finish reasons of a response that completed
 
 @dataclass
 class _Item:
-    """One output item: the message (its text) or a function call (its arguments)."""
+    """One output item: the model's reasoning or the message (their text), or a function call (its arguments)."""
 
-    kind: str  # "message" | "function_call"
+    kind: str  # "reasoning" | "message" | "function_call"
     id: str
     text: str = ""
     call_id: str = ""
@@ -44,8 +46,21 @@ class _Item:
                 "name": self.name,
                 "arguments": self.text,
             }
-        content = [] if status == "in_progress" else [{"type": "output_text", "text": self.text, "annotations": []}]
+        content = [] if status == "in_progress" else [self.part()]
+        if self.kind == "reasoning":
+            return {"id": self.id, "type": "reasoning", "status": status, "summary": [], "content": content}
         return {"id": self.id, "type": "message", "status": status, "role": "assistant", "content": content}
+
+    def part(self, text: str | None = None) -> dict:
+        """The item's one content part (its reasoning text, or the message's output text)."""
+        text = self.text if text is None else text
+        if self.kind == "reasoning":
+            return {"type": "reasoning_text", "text": text}
+        return {"type": "output_text", "text": text, "annotations": []}
+
+    @property
+    def has_text(self) -> bool:
+        return self.kind in ("reasoning", "message")
 
 
 @dataclass
@@ -80,9 +95,12 @@ class ResponsesFormat:
         for choice in chunk.choices:
             delta = choice.get("delta") or {}
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning") or ""
+            if reasoning:
+                events += self._text("reasoning", reasoning)
             text = delta.get("content") or choice.get("text") or ""
             if text:
-                events += self._text(text)
+                events += self._text("message", text)
             for call in delta.get("tool_calls") or ():
                 events += self._call(call)
         return events
@@ -119,15 +137,18 @@ class ResponsesFormat:
 
     # --- items --------------------------------------------------------------------------------------------------
 
-    def _text(self, text: str) -> list[Event]:
+    def _text(self, kind: str, text: str) -> list[Event]:
         events: list[Event] = []
         current = self.items[-1] if self.items else None
-        if current is None or current.kind != "message" or current.done:
+        if current is None or current.kind != kind or current.done:
             events += self._close()
-            current = _Item("message", _new_id("msg"))
+            current = _Item(kind, _new_id("rs" if kind == "reasoning" else "msg"))
             events += self._open(current)
         current.text += text
-        events.append(self._event("response.output_text.delta", **self._where(), delta=text, logprobs=[]))
+        if kind == "reasoning":
+            events.append(self._event("response.reasoning_text.delta", **self._where(), delta=text))
+        else:
+            events.append(self._event("response.output_text.delta", **self._where(), delta=text, logprobs=[]))
         return events
 
     def _call(self, call: dict) -> list[Event]:
@@ -156,9 +177,8 @@ class ResponsesFormat:
         self.items.append(item)
         position = len(self.items) - 1
         events = [self._event("response.output_item.added", output_index=position, item=item.body("in_progress"))]
-        if item.kind == "message":
-            part = {"type": "output_text", "text": "", "annotations": []}
-            events.append(self._event("response.content_part.added", **self._where(), part=part))
+        if item.has_text:
+            events.append(self._event("response.content_part.added", **self._where(), part=item.part("")))
         return events
 
     def _close(self) -> list[Event]:
@@ -175,11 +195,12 @@ class ResponsesFormat:
                 )
             ]
         else:
-            part = {"type": "output_text", "text": item.text, "annotations": []}
-            events = [
-                self._event("response.output_text.done", **self._where(), text=item.text, logprobs=[]),
-                self._event("response.content_part.done", **self._where(), part=part),
-            ]
+            text_done = (
+                self._event("response.reasoning_text.done", **self._where(), text=item.text)
+                if item.kind == "reasoning"
+                else self._event("response.output_text.done", **self._where(), text=item.text, logprobs=[])
+            )
+            events = [text_done, self._event("response.content_part.done", **self._where(), part=item.part())]
         return [*events, self._event("response.output_item.done", output_index=position, item=item.body(status))]
 
     def _item_status(self, item: _Item) -> str:
@@ -203,7 +224,7 @@ class ResponsesFormat:
         return {"code": self.failure.code or "server_error", "message": self.failure.message}
 
     def _where(self) -> dict:
-        """The message item being written, its one content part."""
+        """The item being written (reasoning or message), its one content part."""
         return {"item_id": self.items[-1].id, "output_index": len(self.items) - 1, "content_index": 0}
 
     def _event(self, name: str, **fields: object) -> Event:

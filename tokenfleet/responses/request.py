@@ -2,8 +2,9 @@
 body that the gateway serves. A parameter that OpenAI defines and we do not implement is a 400 naming it.
 
 Function tools become the chat API's tools (the replica renders and parses them); `function_call` input items
-become an assistant message's tool_calls and `function_call_output` items tool messages, so a tool round trip, in
-one request or across previous_response_id, reads back as the chat template expects."""
+become an assistant message's tool_calls, `reasoning` items its reasoning_content, and `function_call_output` items
+tool messages, so a tool round trip, in one request or across previous_response_id, reads back as the chat
+template expects."""
 
 from __future__ import annotations
 
@@ -62,6 +63,25 @@ class FunctionCallOutputItem(BaseModel):
         return {"role": "tool", "tool_call_id": self.call_id, "content": text}
 
 
+class ReasoningText(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """The model's thinking (a previous response's output item, sent back as input, as OpenAI asks of callers who
+    manage the context themselves); its summary, which we never write, is not read."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["reasoning"]
+    summary: list[dict[str, Any]] = []
+    content: list[ReasoningText] | None = None
+
+    def text(self) -> str:
+        return "".join(part.text for part in self.content or [])
+
+
 class FunctionTool(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["function"]
@@ -75,7 +95,7 @@ class FunctionTool(BaseModel):
         return {"type": "function", "function": function}
 
 
-InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem
+InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 
 
 class TextFormat(BaseModel):
@@ -124,6 +144,7 @@ class ResponseCreate(BaseModel):
     stream_options: dict[str, Any] | None = None
     ignore_eos: bool = False  # vLLM's extension, as on its chat API: generate to max_output_tokens
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's too: e.g. {"enable_thinking": false}
+    structured_outputs: dict[str, Any] | None = None  # vLLM's too (regex, choice, grammar...): checked by the chat API
 
     def check_supported(self) -> None:
         unsupported = {
@@ -184,6 +205,10 @@ class ResponseCreate(BaseModel):
                 _add_call(out, item)
             elif isinstance(item, FunctionCallOutputItem):
                 out.append(item.message())
+            elif isinstance(item, ReasoningItem):
+                out.append({"role": "assistant", "content": None, "reasoning_content": item.text()})
+            elif isinstance(item, InputMessage) and item.role == "assistant":
+                _add_assistant_text(out, item.text())
             elif isinstance(item, InputMessage):
                 out.append({"role": "system" if item.role == "developer" else item.role, "content": item.text()})
             else:
@@ -213,6 +238,8 @@ class ResponseCreate(BaseModel):
             body["ignore_eos"] = True
         if self.chat_template_kwargs is not None:
             body["chat_template_kwargs"] = self.chat_template_kwargs
+        if self.structured_outputs is not None:
+            body["structured_outputs"] = self.structured_outputs
         tools = self.function_tools()
         if tools:
             body["tools"] = [tool.chat_tool() for tool in tools]
@@ -261,6 +288,15 @@ class ResponseCreate(BaseModel):
             schema = {"name": fmt.name or "response", "schema": fmt.schema_, "strict": bool(fmt.strict)}
             return {"type": "json_schema", "json_schema": schema}
         return None
+
+
+def _add_assistant_text(messages: list[dict], text: str) -> None:
+    """An assistant's text joins its reasoning right before it, as one message."""
+    last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant" and last["content"] is None and "tool_calls" not in last:
+        last["content"] = text
+    else:
+        messages.append({"role": "assistant", "content": text})
 
 
 def _add_call(messages: list[dict], item: FunctionCallItem) -> None:

@@ -26,8 +26,8 @@ class StoredResponse:
     body: dict  # the response object
 
     def turn(self) -> list[dict]:
-        """What the next response of the chain sees of this one: its input, then its reply (its text, and the
-        function calls it made as the reply's tool_calls)."""
+        """What the next response of the chain sees of this one: its input, then its reply (its text, its
+        reasoning, and the function calls it made as the reply's tool_calls)."""
         output = self.body.get("output", [])
         reply: dict = {
             "role": "assistant",
@@ -38,6 +38,14 @@ class StoredResponse:
                 for part in item.get("content", [])
             ),
         }
+        reasoning = "".join(
+            part.get("text", "")
+            for item in output
+            if item.get("type") == "reasoning"
+            for part in item.get("content") or []
+        )
+        if reasoning:
+            reply["reasoning_content"] = reasoning  # for templates that keep an earlier turn's thinking
         calls = [
             {
                 "id": item["call_id"],

@@ -5,9 +5,9 @@ from __future__ import annotations
 from tokenfleet.api.tool_parsers.format import ToolFormat
 from tokenfleet.api.tool_parsers.hermes import HERMES
 from tokenfleet.api.tool_parsers.llama3_json import LLAMA3_JSON
-from tokenfleet.api.tool_parsers.mistral import MISTRAL
+from tokenfleet.api.tool_parsers.mistral import MISTRAL, MISTRAL_V11
 
-FORMATS: tuple[ToolFormat, ...] = (HERMES, MISTRAL, LLAMA3_JSON)
+FORMATS: tuple[ToolFormat, ...] = (HERMES, MISTRAL_V11, MISTRAL, LLAMA3_JSON)  # the first that detects wins
 
 
 def format_for_template(template: str | None) -> ToolFormat | None:

@@ -29,8 +29,8 @@ class ToolFormat:
         return FramedParser(self.framing, tool_names, self.new_id, max_calls)
 
     def keeps_special_tokens(self, tokenizer: Tokenizer) -> bool:
-        """Whether the detokenizer must keep special tokens: the calls' trigger is one (Mistral's
-        `[TOOL_CALLS]`), and without it the text would not say that calls follow."""
-        trigger = self.framing.trigger
-        token_id = tokenizer.token_to_id(trigger) if trigger else None
-        return token_id is not None and token_id in tokenizer.all_special_ids
+        """Whether the detokenizer must keep special tokens: the calls' trigger or marker is one (Mistral's
+        `[TOOL_CALLS]`, `[ARGS]`), and without it the text would not say where calls are."""
+        literals = (self.framing.trigger, self.framing.arguments_marker)
+        token_ids = {tokenizer.token_to_id(literal) for literal in literals if literal}
+        return bool(token_ids & tokenizer.all_special_ids)

@@ -1,6 +1,7 @@
 """The streaming parser every tool-call format shares: content, then a region of calls that a trigger opens
-(`<tool_call>`, `[TOOL_CALLS]`, or a `{` that starts the output), each call a JSON object (see call_object.py),
-with the format's literals around and between them. A format is a Framing.
+(`<tool_call>`, `[TOOL_CALLS]`, or a `{` that starts the output), each call a JSON object (see call_object.py) or
+a name, a marker and the arguments' object (Mistral v11's `name[ARGS]{...}`, named_call.py), with the format's
+literals around and between them. A format is a Framing.
 
 Text goes out as soon as it cannot be the start of a trigger. A region that turns out not to be calls (the output
 ended half way through one, the JSON broke, an unknown tool name) is sent again as content, from where the last
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from enum import Enum, auto
 
 from tokenfleet.api.tool_parsers.call_object import CallError, CallObject
+from tokenfleet.api.tool_parsers.named_call import NAME_CHARACTER, NamedCall
 from tokenfleet.api.tool_parsers.pieces import CallDone, Piece, Text
 
 _WHITESPACE = " \t\n\r"
@@ -28,6 +30,7 @@ class Framing:
     call_suffix: str = ""  # after each call (Hermes' "</tool_call>")
     separator: str = ""  # between calls; "" when each call comes with its own trigger
     close: str = ""  # after the last call (Mistral's "]")
+    arguments_marker: str = ""  # a call is its name, this, then its arguments (Mistral v11's "[ARGS]"); "": JSON
 
 
 class _State(Enum):
@@ -62,7 +65,7 @@ class FramedParser:
         self._held = ""  # text not yet sent: maybe the start of a trigger, or a literal being matched
         self._literal, self._after_literal = "", _State.BEFORE_CALL
         self._region = ""  # the region's text since the last complete call: content again if it breaks
-        self._call: CallObject | None = None
+        self._call: CallObject | NamedCall | None = None
         self._started = 0  # calls started (their index)
         self._complete = 0
         self._after_calls = False  # whitespace after the last call is not content
@@ -183,11 +186,17 @@ class FramedParser:
     def _before_call(self, ch: str) -> None:
         if ch in _WHITESPACE:
             return
-        if ch != "{":
-            raise CallError("a call is a JSON object")
         emit = self.max_calls is None or self._started < self.max_calls
-        self._call = CallObject(self._started, self.tool_names, self.new_id, emit)
-        self._call.feed("{")
+        marker = self.framing.arguments_marker
+        if marker:
+            if not NAME_CHARACTER.match(ch):
+                raise CallError("a call starts with the tool's name")
+            self._call = NamedCall(self._started, self.tool_names, self.new_id, marker, emit)
+        elif ch == "{":
+            self._call = CallObject(self._started, self.tool_names, self.new_id, emit)
+        else:
+            raise CallError("a call is a JSON object")
+        self._call.feed(ch)
         self._state = _State.CALL
 
     def _in_call(self, text: str, pieces: list[Piece]) -> int:

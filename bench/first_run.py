@@ -1,6 +1,7 @@
 """A new user's first run, measured: install time and size of `pip install -e .` in a fresh virtual environment,
-time from `tokenfleet serve` to the first answer on a first start (demo checkpoint written, CPU kernel compiled)
-and on a later one, and the resident memory of the serving processes. Results: docs/benchmarks/first_run.md.
+time from `tokenfleet serve` to the first answer on a first start (demo checkpoint written, CPU kernel compiled in
+the background: the first answers come on the PyTorch path) and on a later one, when the kernel was ready, and the
+resident memory of the serving processes. Results: docs/benchmarks/first_run.md.
 
     python bench/first_run.py [--venv /tmp/fr-venv] [--skip-install] [--out results.json]
 """
@@ -42,6 +43,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def process_rss(pid: int) -> int:
+    """Resident bytes of one process (the server's, without its engine process)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:"))
+
+
 def tree_rss(pid: int) -> int:
     """Resident bytes of a process and all its descendants."""
     total, pending = 0, [pid]
@@ -58,8 +65,22 @@ def tree_rss(pid: int) -> int:
     return total
 
 
+def kernel_built(home: Path) -> bool:
+    return any((home / ".cache" / "tokenfleet" / "kernels").glob("*/built"))
+
+
+def wait_for_kernel(home: Path, started: float, log: Path) -> float:
+    """Seconds from the start until the background build was done (polled: at most this)."""
+    while not kernel_built(home):
+        if time.monotonic() - started > 900:
+            raise RuntimeError(f"the CPU kernel was not built after 900 s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    return round(time.monotonic() - started, 1)
+
+
 def serve_once(tokenfleet: Path, home: Path, log: Path) -> dict:
-    """Starts `tokenfleet serve`, asks until the first answer, reads the memory, stops it."""
+    """Starts `tokenfleet serve`, asks until the first answer, waits for the CPU kernel if it is still being built
+    (so that a later start finds it), reads the memory, stops it."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TOKENFLEET_", "XDG_"))}
     env.update(HOME=str(home), PYTHONUNBUFFERED="1")
@@ -80,9 +101,15 @@ def serve_once(tokenfleet: Path, home: Path, log: Path) -> dict:
                 pass
             time.sleep(0.1)
         first_answer_s = time.monotonic() - started
+        result: dict = {"first_answer_s": round(first_answer_s, 1), "kernel_built_at_first_answer": kernel_built(home)}
         for _ in range(20):  # a few more requests, as a user trying it would send
             httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT, timeout=30).raise_for_status()
-        return {"first_answer_s": round(first_answer_s, 1), "rss_bytes": tree_rss(proc.pid)}
+        if not result["kernel_built_at_first_answer"]:
+            result["kernel_built_s"] = wait_for_kernel(home, started, log)
+            # one more answer: the engine switches to the kernel at its next step
+            httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT, timeout=30).raise_for_status()
+        result["rss_bytes"], result["server_rss_bytes"] = tree_rss(proc.pid), process_rss(proc.pid)
+        return result
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)

@@ -10,27 +10,18 @@ import asyncio
 import httpx
 import pytest
 from opentelemetry import propagate, trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from tests.gateway.inprocess import MODEL, inprocess_gateway
+from tests.spans import span_exporter
 from tokenfleet.engine.async_engine import AsyncEngine
 from tokenfleet.engine.config import EngineConfig
 from tokenfleet.gateway.upstream import InProcessUpstream
 from tokenfleet.replica.server import ReplicaService, create_app
 
-EXPORTER = InMemorySpanExporter()
-
 
 @pytest.fixture(scope="module")
 def spans():
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):  # the process's first: set once, kept for the other tests
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
-    provider.add_span_processor(SimpleSpanProcessor(EXPORTER))
-    yield EXPORTER
+    return span_exporter()
 
 
 @pytest.fixture(scope="module")

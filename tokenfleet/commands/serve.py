@@ -7,6 +7,8 @@ import asyncio
 import logging
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -16,7 +18,7 @@ from tokenfleet.api.http import run_http
 from tokenfleet.autoscale.service import add_autoscaler
 from tokenfleet.billing.routes import add_usage_routes
 from tokenfleet.commands.database import default_data_dir, describe, resolve_database_url
-from tokenfleet.commands.demo import demo_checkpoint
+from tokenfleet.commands.demo import DEMO_DIR, demo_checkpoint
 from tokenfleet.commands.preflight import check_fleet_services
 from tokenfleet.commands.workers import check_workers, run_workers
 from tokenfleet.config import FleetConfig, TierConfig
@@ -302,7 +304,7 @@ def serve_embedded(args: argparse.Namespace) -> None:
     configure_logging()
     configure_tracing("tokenfleet")  # when OTEL_EXPORTER_OTLP_ENDPOINT names a collector
     if args.model is None:
-        args.model = str(demo_checkpoint())
+        args.model = str(demo_checkpoint_in_a_child())
     engine_config: EngineConfig = engine_config_from_args(args)
     name = args.served_model_name or Path(engine_config.model).resolve().name
     engine = start_engine(engine_config)
@@ -350,6 +352,23 @@ def serve_embedded(args: argparse.Namespace) -> None:
         )
     finally:
         engine.shutdown()
+
+
+WRITE_DEMO = """
+from tokenfleet.commands.demo import demo_checkpoint
+from tokenfleet.logs import configure_logging
+configure_logging()
+demo_checkpoint()
+"""
+
+
+def demo_checkpoint_in_a_child() -> Path:
+    """The demo checkpoint, written by a child process when missing: writing it takes PyTorch, which this server
+    process otherwise never loads (it would hold 150-250 MB more for its whole life)."""
+    if not (DEMO_DIR / "config.json").is_file():
+        if subprocess.run([sys.executable, "-c", WRITE_DEMO]).returncode != 0:
+            raise SystemExit("tokenfleet serve: writing the demo checkpoint failed (see above); or give --model DIR")
+    return demo_checkpoint()
 
 
 def embedded_config(args: argparse.Namespace, name: str, model_path: str) -> FleetConfig:

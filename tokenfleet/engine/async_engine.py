@@ -16,11 +16,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeAlias, TypeVar
 
 from tokenfleet.engine.config import EngineConfig
-from tokenfleet.engine.engine import Engine, RequestOutput
+from tokenfleet.engine.outputs import RequestOutput
 from tokenfleet.engine.request import SamplingParams
 from tokenfleet.engine.state import EngineState
 
 if TYPE_CHECKING:
+    from tokenfleet.engine.engine import Engine
     from tokenfleet.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,9 @@ class AsyncEngine(StreamingEngine[StreamQueue]):
         if engine is None:
             if config is None:
                 raise TypeError("AsyncEngine needs an EngineConfig or an Engine")
+            # here, not at the top: EngineProcess's server side shares this module and never loads the model
+            from tokenfleet.engine.engine import Engine
+
             engine = Engine(config)
         self.engine = engine
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()

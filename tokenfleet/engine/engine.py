@@ -13,6 +13,9 @@ from typing import TYPE_CHECKING, TypeVar
 from tokenfleet.engine.config import EngineConfig, SpeculativeConfig
 from tokenfleet.engine.kv_blocks import KVBlockManager
 from tokenfleet.engine.limits import EngineLimits
+from tokenfleet.engine.outputs import RequestOutput as RequestOutput  # re-exported: they were defined here
+from tokenfleet.engine.outputs import RequestTiming
+from tokenfleet.engine.outputs import StepStats as StepStats
 from tokenfleet.engine.rejection import Proposal, RejectionSampler, Verified
 from tokenfleet.engine.request import Request, SamplingParams, TokenLogprob
 from tokenfleet.engine.runner import ModelRunner
@@ -31,47 +34,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclass
-class RequestOutput:
-    """What a request produced so far; `new_*` fields hold what this step added."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    new_token_ids: list[int]
-    new_text: str
-    num_cached_tokens: int
-    finished: bool = False
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    error: str | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    new_logprobs: list[TokenLogprob] = field(default_factory=list)
-    engine_s: float = 0.0  # the request's share of engine step time so far
-
-
-@dataclass
-class StepStats:
-    """Where step time goes (cumulative seconds). On CUDA, forward_s includes waiting for the GPU at sampling."""
-
-    steps: int = 0
-    schedule_s: float = 0.0
-    propose_s: float = 0.0  # speculative proposals (a draft model's passes)
-    prepare_s: float = 0.0
-    forward_s: float = 0.0
-    sample_s: float = 0.0
-    output_s: float = 0.0
-
-    @property
-    def total_s(self) -> float:
-        return self.schedule_s + self.propose_s + self.prepare_s + self.forward_s + self.sample_s + self.output_s
-
-    def overhead_fraction(self) -> float:
-        """Share of step time spent outside the model and the sampler: scheduling, batch preparation, outputs."""
-        return (self.schedule_s + self.prepare_s + self.output_s) / self.total_s if self.total_s else 0.0
 
 
 @dataclass
@@ -432,6 +394,9 @@ class Engine:
             logprobs=req.logprobs,
             new_logprobs=new_lps,
             engine_s=req.engine_s,
+            timing=RequestTiming(req.arrival_time, req.scheduled_time, req.num_prefill_chunks)
+            if req.num_output_tokens == len(new_ids)
+            else None,
         )
 
 

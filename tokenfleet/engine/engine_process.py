@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 from tokenfleet.engine.async_engine import Command, StreamingEngine, StreamQueue
 from tokenfleet.engine.config import EngineConfig
-from tokenfleet.engine.engine import RequestOutput
 from tokenfleet.engine.limits import EngineLimits
+from tokenfleet.engine.outputs import RequestOutput, RequestTiming
 from tokenfleet.engine.request import SamplingParams, TokenLogprob
 from tokenfleet.engine.state import EngineState
 from tokenfleet.engine.structured import GrammarCompiler
@@ -63,6 +63,7 @@ class _Delta:
     new_logprobs: list[TokenLogprob]
     engine_s: float
     prompt_token_ids: list[int] | None  # on a request's first output only
+    timing: RequestTiming | None
 
 
 @dataclass
@@ -96,6 +97,7 @@ class _Stream(StreamQueue):
             self.logprobs,
             d.new_logprobs,
             d.engine_s,
+            d.timing,
         )
 
 
@@ -227,9 +229,11 @@ def _engine_main(config: EngineConfig, conn: Connection, threads: int) -> None:
 
     from tokenfleet.engine.engine import Engine
     from tokenfleet.logs import configure_logging
+    from tokenfleet.model.cpu_kernels import build_in_background
 
     configure_logging()
     torch.set_num_threads(threads)
+    build_in_background()  # a server answers on the PyTorch path rather than wait for a compiler
     try:
         engine = Engine(config)
     except Exception as e:  # a bad checkpoint or config: the server reports it and exits
@@ -322,6 +326,7 @@ class _EngineLoop:
             out.new_logprobs,
             out.engine_s,
             out.prompt_token_ids if first else None,
+            out.timing,
         )
 
 
@@ -332,6 +337,8 @@ def start_engine(config: EngineConfig) -> EngineProcess | AsyncEngine:
     import torch
 
     from tokenfleet.engine.async_engine import AsyncEngine
+    from tokenfleet.model.cpu_kernels import build_in_background
 
     torch.set_num_threads(server_threads(config))
+    build_in_background()
     return AsyncEngine(config)

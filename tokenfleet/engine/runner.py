@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,7 +15,7 @@ from tokenfleet.engine.memory import Job, MemoryPlan, available_memory, lazily_z
 from tokenfleet.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tokenfleet.engine.step_inputs import InputBuilder, StepInputs
 from tokenfleet.model.attention import AttentionMetadata, PagedAttention, PrefillChunk
-from tokenfleet.model.cpu_kernels import advise_huge_pages, paged_decode_attention_op
+from tokenfleet.model.cpu_kernels import advise_huge_pages, decode_kernel_build
 from tokenfleet.model.kv_quant import KVScales, as_bytes, is_fp8, kv_cache_dtype, scale_for
 from tokenfleet.model.llama import LlamaForCausalLM
 
@@ -35,7 +36,11 @@ class ModelRunner:
         self.draft = draft  # speculative decoding's draft model, whose KV cache shares this one's blocks
         self.last_prepare_s = 0.0  # time the last execute() spent on swaps and building inputs
         self.dtype = next(model.parameters()).dtype
-        self.use_decode_kernel(paged_decode_attention_op() if device.type == "cpu" else None)
+        self._kernel_build: Future[DecodeKernel | None] | None = None  # the CPU kernel while it compiles
+        self._kernel_wait_started = time.monotonic()
+        self.use_decode_kernel(None)
+        if device.type == "cpu":
+            self._take_kernel_when_built(decode_kernel_build())
         cfg = model.config
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         # before the cache takes the GPU's free memory: calibration needs activations
@@ -116,11 +121,34 @@ class ModelRunner:
         return self._host_cache
 
     def use_decode_kernel(self, op: DecodeKernel | None) -> None:
-        """Decode attention through a fused paged op (the CPU kernel), or the PyTorch gather path when None."""
+        """Decode attention through a fused paged op (the CPU kernel), or the PyTorch gather path when None. A
+        choice made here stands: a kernel still being built is not switched to any more."""
+        self._kernel_build = None
         self.decode_kernel = op
         self.inputs = InputBuilder(self.block_size, self.device, self.dtype, uses_kernel=op is not None)
         for attention in attention_layers(self.model):  # each layer's self_attn.attn
             attention.decode_kernel = op
+
+    def _take_kernel_when_built(self, build: Future[DecodeKernel | None]) -> None:
+        """The kernel now if it is loaded; else the PyTorch path until its background build is done, then the
+        kernel from the next step on (execute switches between steps, never within one)."""
+        if build.done():
+            self.use_decode_kernel(build.result())
+        else:
+            self._kernel_build, self._kernel_wait_started = build, time.monotonic()
+
+    def _switch_to_built_kernel(self) -> None:
+        build = self._kernel_build
+        if build is None or not build.done():
+            return
+        op = build.result()
+        self.use_decode_kernel(op)
+        if op is not None:  # else the build failed, which cpu_kernels logged: decoding stays on the PyTorch path
+            log.info(
+                "CPU attention kernel loaded: decode attention uses it from this step on (after %.0f s on the "
+                "PyTorch path)",
+                time.monotonic() - self._kernel_wait_started,
+            )
 
     def _calibrate_kv_scales(self, config: EngineConfig) -> list[KVScales]:
         """Each layer's 8-bit cache scales, from the largest keys and values of one seeded prefill: fixed for the
@@ -142,6 +170,7 @@ class ModelRunner:
         """Runs one step; returns logits and the chunks they belong to, in order: one row per chunk, or 1 + k rows
         for a chunk that verifies k proposals."""
         started = time.perf_counter()
+        self._switch_to_built_kernel()
         self._swap(out)
         if not out.chunks:
             self.last_prepare_s = time.perf_counter() - started

@@ -7,6 +7,9 @@ makes processes that start together build it once; the others wait for it, sayin
 
 Set TOKENFLEET_CPU_KERNELS=0 to use the pure-PyTorch path instead; if compiling fails (no compiler, no ninja)
 the engine logs why and falls back to that path too.
+
+A server need not wait for the compiler: after build_in_background(), decode_kernel_build() compiles in a builder
+process of its own while the engine serves on the PyTorch path, and the engine switches once the op is loaded.
 """
 
 from __future__ import annotations
@@ -19,9 +22,12 @@ import hashlib
 import logging
 import os
 import platform
+import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from functools import cache
 from pathlib import Path
 
@@ -34,12 +40,15 @@ LIBRARY_NAME = "tokenfleet_cpu_kernels"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
 EXPECTED_BUILD = "usually 10-30 s"
 DONE_MARK = "built"  # written after a build succeeded: the library next to it is complete
+BUILD_LOG = "build.log"  # what background builds said
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
+DecodeOp = Callable[..., torch.Tensor]
+_background = threading.Event()  # set by build_in_background(): this process's engines do not wait for a build
 
 
 @cache
-def paged_decode_attention_op() -> Callable[..., torch.Tensor] | None:
+def paged_decode_attention_op() -> DecodeOp | None:
     """The compiled op (loaded once per process, built once per environment), or None when disabled or
     unavailable."""
     if os.environ.get("TOKENFLEET_CPU_KERNELS", "1") == "0":
@@ -50,6 +59,76 @@ def paged_decode_attention_op() -> Callable[..., torch.Tensor] | None:
         log.warning("CPU attention kernel unavailable, using the PyTorch path: %s", e)
         return None
     return torch.ops.tokenfleet.paged_decode_attention
+
+
+def build_in_background() -> None:
+    """From now on in this process, an engine that finds the kernel unbuilt serves on the PyTorch path while it
+    compiles (what a server wants: its first answer need not wait for a compiler). Otherwise an engine waits for
+    the build, so that it starts on the kernel."""
+    _background.set()
+
+
+def decode_kernel_build() -> Future[DecodeOp | None]:
+    """The op as a future: resolved at once when the kernel is disabled, already built for this environment (then
+    loaded here) or when builds are not in the background; otherwise resolved once a builder process has compiled
+    it (None if that fails)."""
+    build: Future[DecodeOp | None] = Future()
+    if not (_background.is_set() and needs_build()):
+        build.set_result(paged_decode_attention_op())
+        return build
+    folder = kernel_dir()
+    log.info(
+        "compiling the CPU attention kernel for this environment in the background (once; %s; cached in %s): "
+        "decoding on the PyTorch path until it is ready",
+        EXPECTED_BUILD,
+        folder,
+    )
+    builder = start_builder(folder)
+    threading.Thread(
+        target=_resolve_when_built, args=(build, builder, folder), name="tokenfleet-kernel-build", daemon=True
+    ).start()
+    return build
+
+
+def start_builder(folder: Path) -> subprocess.Popen[bytes]:
+    """`python -m tokenfleet.model.cpu_kernels FOLDER` in a session of its own, logging to FOLDER/build.log: a
+    build outlives the server that started it (a Ctrl-C a few seconds after the first answer does not throw the
+    compile away), and it holds the folder's lock, so a later start waits for it rather than compiling beside it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / BUILD_LOG, "ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", __name__, str(folder)],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def _resolve_when_built(build: Future[DecodeOp | None], builder: subprocess.Popen[bytes], folder: Path) -> None:
+    started = time.monotonic()
+    if builder.wait() != 0 or not (folder / DONE_MARK).is_file():
+        log.warning(
+            "CPU attention kernel unavailable, using the PyTorch path: %s (see %s)",
+            last_line(folder / BUILD_LOG),
+            folder / BUILD_LOG,
+        )
+        build.set_result(None)
+        return
+    log.info("CPU attention kernel compiled in %.0f s, in the background", time.monotonic() - started)
+    build.set_result(paged_decode_attention_op())  # loads the library; never raises (a failure is None, logged)
+
+
+def last_line(path: Path) -> str:
+    with contextlib.suppress(OSError):
+        lines = path.read_text(errors="replace").strip().splitlines()
+        return lines[-1] if lines else "no output"
+    return "no output"
+
+
+def needs_build() -> bool:
+    """Whether the kernel is enabled and not yet built in this environment's folder."""
+    return os.environ.get("TOKENFLEET_CPU_KERNELS", "1") != "0" and not (kernel_dir() / DONE_MARK).is_file()
 
 
 def kernel_cache_root() -> Path:
@@ -141,3 +220,19 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
         return libc.madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(end - aligned), MADV_HUGEPAGE) == 0
     except (OSError, AttributeError):
         return False
+
+
+def build_main(folder: str) -> int:
+    """The builder process: compiles into FOLDER (waiting for another builder there, if any); 0 once it is built."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        load_kernel(Path(folder))
+    except Exception as e:
+        log.exception("the build failed")
+        print(f"build failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}", flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(build_main(sys.argv[1]))

@@ -13,7 +13,7 @@ from opentelemetry.context import Context
 
 from tokenfleet.api.usage import Usage
 from tokenfleet.engine.async_engine import AsyncEngine
-from tokenfleet.engine.engine import RequestOutput
+from tokenfleet.engine.outputs import RequestOutput, RequestTiming
 from tokenfleet.engine.request import SamplingParams
 
 _DONE = object()
@@ -31,6 +31,7 @@ class ChoiceStream:
     usage: Usage = field(default_factory=Usage)
     finals: dict[int, RequestOutput] = field(default_factory=dict)
     first_token_at: float | None = None
+    engine_timing: RequestTiming | None = None  # the first choice's wait in the engine's queue and its prefill
     gaps: list[float] = field(default_factory=list)  # seconds between successive tokens of each choice
     _last_token_at: dict[int, float] = field(default_factory=dict)
     _engine_s: dict[int, float] = field(default_factory=dict)  # per choice, as last reported
@@ -86,6 +87,8 @@ class ChoiceStream:
 
     def _account(self, index: int, out: RequestOutput) -> None:
         """Usage counted as tokens arrive, so the count on every chunk is exact when a stream is cut short."""
+        if out.timing is not None and self.engine_timing is None:
+            self.engine_timing = out.timing
         if index not in self._engine_s and index % self.n == 0:  # each prompt's cache hits once, like its tokens
             self.usage.cached_tokens += out.num_cached_tokens
         self.usage.engine_s += out.engine_s - self._engine_s.get(index, 0.0)

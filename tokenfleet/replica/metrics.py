@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from tokenfleet.engine.outputs import RequestTiming
 from tokenfleet.engine.state import EngineState, SpecDecodeStats, load_report  # noqa: F401  (load_report: /load)
 
 LATENCY_BUCKETS = (
@@ -60,6 +61,12 @@ class ReplicaMetrics:
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", **histogram)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", **histogram)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", **histogram)
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds", "Time in the engine's waiting queue, until first scheduled.", **histogram
+        )
+        self.prefill_time = Histogram(
+            "vllm:request_prefill_time_seconds", "Time from first scheduled to the first token.", **histogram
+        )
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", labels, registry=self.registry)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", labels, registry=self.registry)
         self.finished = Counter(
@@ -88,6 +95,14 @@ class ReplicaMetrics:
         self.prompt_tokens.labels(**self.labels).inc(prompt_tokens)
         self.generation_tokens.labels(**self.labels).inc(output_tokens)
         self.finished.labels(**self.labels, finished_reason=reason or "unknown").inc()
+
+    def observe_engine_wait(self, timing: RequestTiming | None, first_token: float | None) -> None:
+        """Where the time to first token went inside the engine: its waiting queue, then its prefill."""
+        if timing is None or timing.scheduled_time is None:
+            return
+        self.queue_time.labels(**self.labels).observe(max(0.0, timing.scheduled_time - timing.arrival_time))
+        if first_token is not None:
+            self.prefill_time.labels(**self.labels).observe(max(0.0, first_token - timing.scheduled_time))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -154,6 +154,7 @@ class ReplicaService:
                 final.finish_reason,
             )
             gaps = []
+        self.metrics.observe_engine_wait(stream.engine_timing, stream.first_token_at)
         _trace(stream, arrival)
         aborted = stream.num_choices - len(stream.finals)
         for _ in range(aborted):  # the client left: those choices were aborted
@@ -229,14 +230,20 @@ def follow_caller(request: Request) -> None:
 
 
 def _trace(stream: ChoiceStream, arrival: float) -> None:
-    """The request's spans, written once it is over: the whole request, its prefill (to the first token) and its
-    decode; under the gateway's routing attempt when the gateway sent its trace."""
-    end = time.time_ns()
+    """The request's spans, written once it is over: the whole request, the wait in the engine's queue, its prefill
+    (to the first token, with its number of chunks) and its decode; under the gateway's routing attempt when the
+    gateway sent its trace."""
+    now_ns, now = time.time_ns(), time.monotonic()
+
+    def epoch(instant: float) -> int:  # one clock reading for all: the stages meet exactly
+        return now_ns - int((now - instant) * 1e9)
+
+    start = epoch(arrival)
     span = TRACER.start_span(
         "replica.request",
         stream.trace_parent,
         kind=trace.SpanKind.SERVER,
-        start_time=tracing.epoch_ns(arrival),
+        start_time=start,
         attributes={
             "tokenfleet.request_id": stream.request_id,
             "gen_ai.usage.input_tokens": stream.usage.prompt_tokens,
@@ -246,10 +253,17 @@ def _trace(stream: ChoiceStream, arrival: float) -> None:
         return
     span.set_attribute("gen_ai.usage.output_tokens", stream.usage.completion_tokens)
     if stream.first_token_at is not None:
-        first, inside = tracing.epoch_ns(stream.first_token_at), trace.set_span_in_context(span)
-        TRACER.start_span("prefill", inside, start_time=tracing.epoch_ns(arrival)).end(end_time=first)
-        TRACER.start_span("decode", inside, start_time=first).end(end_time=end)
-    span.end(end_time=end)
+        first, inside, timing = epoch(stream.first_token_at), trace.set_span_in_context(span), stream.engine_timing
+        prefill_start = start
+        if timing is not None and timing.scheduled_time is not None:
+            prefill_start = epoch(max(timing.scheduled_time, arrival))
+            TRACER.start_span("engine_queue", inside, start_time=start).end(end_time=prefill_start)
+        prefill = TRACER.start_span("prefill", inside, start_time=prefill_start)
+        if timing is not None:
+            prefill.set_attribute("tokenfleet.prefill_chunks", timing.num_prefill_chunks)
+        prefill.end(end_time=first)
+        TRACER.start_span("decode", inside, start_time=first).end(end_time=now_ns)
+    span.end(end_time=now_ns)
 
 
 async def reply(

@@ -65,7 +65,7 @@ def test_each_request_records_where_its_first_token_waited_and_the_stages_add_up
     asyncio.run(burst())
     traces = [t for t in timelines(spans.get_finished_spans()).values() if "gateway.request" in t]
     assert len(traces) == BURST
-    queued = []
+    queued, prefills = [], []
     for t in traces:
         assert {"admission", "queue_wait", "route", "replica.request", "engine_queue", "prefill", "decode"} <= set(t)
         root, route, prefill = t["gateway.request"], t["route"], t["prefill"]
@@ -91,6 +91,7 @@ def test_each_request_records_where_its_first_token_waited_and_the_stages_add_up
         named = durations[1] + durations[3] + durations[6] + durations[7]  # admission, slot, engine queue, prefill
         assert named >= 0.5 * ttft, f"most of the wait is in no named stage: {durations} of {ttft}"
         queued.append(durations[6])
+        prefills.append(durations[7])
     queued.sort()
-    # two run at once: the last two of the burst waited in the engine's queue for a whole request's worth of steps
-    assert queued[-1] > 5 * max(queued[0], 1_000_000), f"engine queue waits (ns): {queued}"
+    # two run at once: two of the burst waited in the engine's queue until a request ended, its prefill included
+    assert queued[-2] >= min(prefills), f"engine queue waits {queued}, prefills {prefills} (ns)"

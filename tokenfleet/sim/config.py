@@ -20,10 +20,17 @@ from tokenfleet.engine.scheduler import SchedulerConfig
 from tokenfleet.router.policy import POLICIES
 from tokenfleet.settings import section
 from tokenfleet.sim.autoscaling import POOL, ScalingSetup
-from tokenfleet.sim.cost_model import CostModel, StepCoefficients, kv_cache_blocks, roofline
+from tokenfleet.sim.cost_model import (
+    CostModel,
+    SpeculativeCostModel,
+    StepCoefficients,
+    kv_cache_blocks,
+    roofline,
+)
 from tokenfleet.sim.disagg import DisaggFleet, DisaggSpec
 from tokenfleet.sim.fleet import Fleet, FleetSetup
 from tokenfleet.sim.hardware import GB, Hardware, hardware
+from tokenfleet.sim.levers import MEASUREMENTS, Speculation, measured_kv_capacity, measured_speculation
 from tokenfleet.sim.metrics import Slo
 from tokenfleet.sim.models import ModelShape, dtype_bytes, model_shape
 from tokenfleet.sim.numbers import is_finite, is_whole
@@ -44,6 +51,7 @@ TOP = {
     "autoscale",
     "disagg",
     "experiment",
+    "levers",
 }
 FLEET = {
     "replicas",
@@ -78,6 +86,7 @@ DISAGG = {
     "transfer_latency_s",
     "prefill_batched_tokens",
 }
+LEVERS = {"speculative", "kv_capacity", "measurements"}
 MIN_LOAD_INTERVAL_S = 0.001  # the router's load poll: shorter ones only multiply the simulated events (1e-9 hung)
 DEFAULT_TTFT = {"enterprise": 1.0, "paid": 2.0, "free": 5.0, "batch": 600.0}
 
@@ -196,7 +205,7 @@ def parse(raw: dict, seed: int | None = None) -> FleetSetup:
     if warmup >= duration:
         raise ValueError("warmup_s must be shorter than duration_s")
     model = _model(fleet.get("model", "llama-70b"))
-    spec, cost, describe = _replica(fleet, engine, model)
+    spec, cost, describe = _replica(fleet, engine, model, _levers(raw.get("levers")))
     workload = _workload(raw.get("workload"), model.max_model_len)
     policy = routing.get("policy", "cache_aware")
     if policy not in POLICIES:
@@ -224,7 +233,7 @@ def parse(raw: dict, seed: int | None = None) -> FleetSetup:
         quota=_flag(gateway.get("quota", True), "gateway.quota"),
         fast=_flag(engine.get("fast", True), "engine.fast"),
         gpus_per_replica=describe["tensor_parallel"],
-        kv_bytes_per_token=model.kv_bytes_per_token(describe["kv_dtype"]),
+        kv_bytes_per_token=describe.pop("_kv_token_bytes"),
         describe=describe,
     )
 
@@ -276,7 +285,58 @@ def _model(raw) -> ModelShape:
         raise ValueError(f"fleet.model: {e}") from None
 
 
-def _replica(fleet: dict, engine: dict, model: ModelShape) -> tuple[ReplicaSpec, CostModel, dict]:
+@dataclass(frozen=True)
+class Levers:
+    """The `levers:` section: speculative decoding and the FP8 KV cache's size, from the engine's measurements.
+    Off by default, so a config without it prices nothing new."""
+
+    speculation: Speculation | None = None
+    fp8_kv_bytes_ratio: float | None = None  # measured bytes per token of an FP8 KV cache over a 16-bit one
+
+
+def _levers(raw) -> Levers:
+    raw = _keys(raw, LEVERS, "levers")
+    folder = Path(str(raw.get("measurements", MEASUREMENTS)))
+    speculation = None
+    given = raw.get("speculative")
+    if isinstance(given, str):
+        speculation = measured_speculation(folder, given).speculation
+    elif given is not None:
+        speculation = _speculation(given)
+    ratio = None
+    capacity = raw.get("kv_capacity", "dtype")
+    if capacity == "measured":
+        ratio = measured_kv_capacity(folder).fp8_bytes_ratio()
+    elif capacity != "dtype":
+        raise ValueError(f"levers.kv_capacity must be dtype or measured, got {capacity!r}")
+    return Levers(speculation, ratio)
+
+
+def _speculation(raw) -> Speculation:
+    raw = _keys(raw, {"num_speculative_tokens", "mean_accepted_length", "acceptance_rate"}, "levers.speculative")
+    if ("mean_accepted_length" in raw) == ("acceptance_rate" in raw):
+        raise ValueError("levers.speculative: give one of mean_accepted_length and acceptance_rate")
+    k = _number(raw.get("num_speculative_tokens"), "levers.speculative.num_speculative_tokens", integer=True, low=1)
+    try:
+        if "acceptance_rate" in raw:
+            rate = _number(raw["acceptance_rate"], "levers.speculative.acceptance_rate", low=0, high=1)
+            return Speculation.from_acceptance_rate(k, float(rate), "levers.speculative")
+        length = _number(raw["mean_accepted_length"], "levers.speculative.mean_accepted_length", low=1)
+        return Speculation(k, float(length), "levers.speculative")
+    except ValueError as e:
+        raise ValueError(f"levers.speculative: {e}") from None
+
+
+def _kv_token_bytes(model: ModelShape, kv_dtype: str, levers: Levers) -> float | None:
+    """A measured KV size per token where the levers give one (an FP8 cache), else None: the dtype's bytes."""
+    if levers.fp8_kv_bytes_ratio is None or kv_dtype != "fp8":
+        return None
+    return model.kv_bytes_per_token("fp16") * levers.fp8_kv_bytes_ratio
+
+
+def _replica(
+    fleet: dict, engine: dict, model: ModelShape, levers: Levers = Levers()
+) -> tuple[ReplicaSpec, CostModel, dict]:
     gpu = hardware(str(fleet.get("gpu", "h100")))
     overrides = fleet.get("hardware")
     overrides = {} if overrides is None else overrides
@@ -297,7 +357,8 @@ def _replica(fleet: dict, engine: dict, model: ModelShape) -> tuple[ReplicaSpec,
     dtype_bytes(weight_dtype), dtype_bytes(kv_dtype)
     block_size = _positive(engine.get("block_size", 16), "engine.block_size", integer=True)
     try:
-        blocks = kv_cache_blocks(model, gpu, weight_dtype, kv_dtype, tp, block_size)  # also checks tp and the fit
+        measured_kv = _kv_token_bytes(model, kv_dtype, levers)
+        blocks = kv_cache_blocks(model, gpu, weight_dtype, kv_dtype, tp, block_size, measured_kv)  # + tp, the fit
     except ValueError as e:
         raise ValueError(f"fleet: {e}") from None
     if "num_blocks" in engine:
@@ -317,9 +378,10 @@ def _replica(fleet: dict, engine: dict, model: ModelShape) -> tuple[ReplicaSpec,
         except (TypeError, ValueError) as e:
             raise ValueError(f"fleet.cost: {e}") from None
     else:
-        coefficients = roofline(model, gpu, weight_dtype, kv_dtype, tp, block_size)
+        coefficients = roofline(model, gpu, weight_dtype, kv_dtype, tp, block_size, measured_kv)
     swap_gib = _positive(fleet.get("swap_space_gib", 4 * tp), "fleet.swap_space_gib", zero=True)
-    host_blocks = int(swap_gib * (1 << 30) // (block_size * model.kv_bytes_per_token(kv_dtype)))
+    kv_token = model.kv_bytes_per_token(kv_dtype) if measured_kv is None else measured_kv
+    host_blocks = int(swap_gib * (1 << 30) // (block_size * kv_token))
     scheduler = SchedulerConfig(
         max_num_seqs=_positive(engine.get("max_num_seqs", 256), "engine.max_num_seqs", integer=True),
         max_num_batched_tokens=_positive(
@@ -339,7 +401,11 @@ def _replica(fleet: dict, engine: dict, model: ModelShape) -> tuple[ReplicaSpec,
         model.max_model_len,
         scheduler,
     )
-    cost_model = CostModel(coefficients)
+    cost_model = (
+        CostModel(coefficients)
+        if levers.speculation is None
+        else SpeculativeCostModel(coefficients, levers.speculation)
+    )
     if not cost_model.prefill_time(2048) > 0:  # the fleet's prefill rate is 2048 tokens / this
         raise ValueError(
             "fleet.cost: a 2048-token prefill takes no time with these coefficients; give overhead_s, "
@@ -355,8 +421,23 @@ def _replica(fleet: dict, engine: dict, model: ModelShape) -> tuple[ReplicaSpec,
         "weights_gb": round(model.weight_bytes(weight_dtype) / GB, 1),
         "decode_step_ms_batch64_ctx2k": round(cost_model.decode_step_time(64, 2000) * 1000, 2),
         "prefill_ms_2048_tokens": round(cost_model.prefill_time(2048) * 1000, 2),
+        **_describe_levers(levers, measured_kv),
+        "_kv_token_bytes": kv_token,  # for the setup (parse pops it), not the report
     }
     return spec, cost_model, describe
+
+
+def _describe_levers(levers: Levers, measured_kv: float | None) -> dict:
+    """What the report says about the levers: nothing when none is on, so those reports stay as they were."""
+    described: dict = {}
+    if levers.speculation is not None:
+        s = levers.speculation
+        described["speculation"] = (
+            f"k={s.num_speculative_tokens}, mean accepted length {s.mean_accepted_length:.3g} ({s.source})"
+        )
+    if measured_kv is not None:
+        described["kv_bytes_per_token_measured"] = measured_kv
+    return described
 
 
 def _workload(raw: dict | None, max_model_len: int) -> WorkloadSpec:

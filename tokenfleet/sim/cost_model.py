@@ -10,9 +10,10 @@ Everything reduces to a handful of coefficients (StepCoefficients), which a cali
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from tokenfleet.sim.hardware import Hardware
+from tokenfleet.sim.levers import Speculation
 from tokenfleet.sim.models import ModelShape
 from tokenfleet.sim.numbers import is_finite
 
@@ -30,6 +31,7 @@ class StepBatch:
     sequences: int = 0
     decode_sequences: int = 0
     swapped_blocks: int = 0
+    decode_context: int = 0  # sum over decode chunks of the tokens before the new one (speculation re-prices them)
 
     @property
     def tokens(self) -> int:
@@ -40,6 +42,7 @@ class StepBatch:
         self.sequences += 1
         if n == 1:
             self.decode_sequences += 1
+            self.decode_context += start
         else:
             self.prefill_tokens += n
         self.attention_pairs += n * start + n * (n + 1) / 2
@@ -130,17 +133,70 @@ class CostModel:
         return self.step_time(batch)
 
 
+class SpeculativeCostModel(CostModel):
+    """Steps with speculative decoding. Each decode becomes a verifying chunk of k + 1 rows (its last token and k
+    proposals) that yields `mean_accepted_length` (L) tokens on average. The simulated replica still advances a
+    decode by one token a step, so a step is priced at the verifying step's time scaled by the progress it stands
+    for: the real step makes p + d x L tokens of progress (p prefill tokens, d decodes), the simulated one p + d.
+    An all-decode step costs the verifying step over L: the mean inter-token latency is the engine's, the bursts
+    of L tokens are spread evenly. The proposer's own work (an n-gram lookup, a draft model's passes) is not
+    priced."""
+
+    def __init__(self, coefficients: StepCoefficients, speculation: Speculation) -> None:
+        super().__init__(coefficients)
+        self.k = speculation.num_speculative_tokens
+        self.accepted = speculation.mean_accepted_length
+
+    def verifying_batch(self, batch: StepBatch) -> StepBatch:
+        """`batch` with each decode turned into k + 1 rows attending to its context and to each other."""
+        k, d = self.k, batch.decode_sequences
+        return replace(
+            batch,
+            prefill_tokens=batch.prefill_tokens + d * (k + 1),
+            decode_sequences=0,
+            attention_pairs=batch.attention_pairs + k * batch.decode_context + d * ((k + 1) * (k + 2) / 2 - 1),
+            kv_tokens_read=batch.kv_tokens_read + k * d,
+        )
+
+    def step_time(self, batch: StepBatch) -> float:
+        d, p = batch.decode_sequences, batch.prefill_tokens
+        if d == 0:
+            return super().step_time(batch)
+        return super().step_time(self.verifying_batch(batch)) * (p + d) / (p + d * self.accepted)
+
+    def decode_time(self, sequences: int, contexts: int) -> float:
+        """step_time of `sequences` decodes attending to `contexts` tokens in all, inlined (the hot path)."""
+        c, k, d = self.c, self.k, sequences
+        rows = d * (k + 1)
+        pairs = contexts + k * (contexts - d) + d * ((k + 1) * (k + 2) / 2 - 1)
+        compute = c.per_token_s * rows + c.per_attention_pair_s * pairs
+        memory = c.weights_s + c.per_kv_token_s * (contexts + k * d)
+        core = (compute if compute > memory else memory) if c.combine == "max" else compute + memory
+        verify = c.overhead_s + c.per_sequence_s * d + core + c.allreduce_per_step_s + c.allreduce_per_token_s * rows
+        return verify / self.accepted
+
+    def decode_times(self, sequences: int, contexts: int, growth: int, count: int) -> list[float]:
+        return [self.decode_time(sequences, contexts + k * growth) for k in range(count)]
+
+
 def roofline(
-    model: ModelShape, hw: Hardware, weight_dtype: str, kv_dtype: str, tp: int, block_size: int = 16
+    model: ModelShape,
+    hw: Hardware,
+    weight_dtype: str,
+    kv_dtype: str,
+    tp: int,
+    block_size: int = 16,
+    kv_token_bytes: float | None = None,
 ) -> StepCoefficients:
-    """The coefficients of `model` on `tp` GPUs of kind `hw`, from peak rates and efficiencies."""
+    """The coefficients of `model` on `tp` GPUs of kind `hw`, from peak rates and efficiencies (`kv_token_bytes`:
+    a measured KV size per token instead of the dtype's)."""
     flops = hw.flops(weight_dtype) * tp
     bandwidth = hw.hbm_bytes_per_s * hw.bandwidth_efficiency * tp
     attention_flops_per_pair = 4 * model.num_layers * model.num_heads * model.head_dim  # QK^T and PV
     allreduces = 2 * model.num_layers  # after attention and after the MLP
     ring = 2 * (tp - 1) / tp  # bytes a ring all-reduce moves per byte of payload
     per_token_payload = model.hidden_size * ACTIVATION_BYTES * ring
-    kv_token = model.kv_bytes_per_token(kv_dtype)
+    kv_token = model.kv_bytes_per_token(kv_dtype) if kv_token_bytes is None else kv_token_bytes
     return StepCoefficients(
         overhead_s=hw.step_overhead_s,
         per_sequence_s=hw.per_sequence_s,
@@ -157,14 +213,22 @@ def roofline(
     )
 
 
-def kv_cache_blocks(model: ModelShape, hw: Hardware, weight_dtype: str, kv_dtype: str, tp: int, block_size: int) -> int:
+def kv_cache_blocks(
+    model: ModelShape,
+    hw: Hardware,
+    weight_dtype: str,
+    kv_dtype: str,
+    tp: int,
+    block_size: int,
+    kv_token_bytes: float | None = None,
+) -> int:
     """Blocks of KV cache left on the replica's GPUs after the weights and activations; raises when the model
-    does not fit at this tensor-parallel degree."""
+    does not fit at this tensor-parallel degree (`kv_token_bytes`: a measured KV size per token)."""
     check_tp(model, hw, tp)
     usable = tp * (hw.memory_bytes * hw.memory_utilization - hw.activation_reserve_bytes)
     weights = model.weight_bytes(weight_dtype)
     free = usable - weights
-    block_bytes = block_size * model.kv_bytes_per_token(kv_dtype)
+    block_bytes = block_size * (model.kv_bytes_per_token(kv_dtype) if kv_token_bytes is None else kv_token_bytes)
     one_sequence = -(-model.max_model_len // block_size)
     blocks = int(free // block_bytes) if free > 0 else 0
     if blocks < one_sequence:

@@ -292,6 +292,7 @@ class SimReplica:
             batch.decode_sequences += n
             batch.attention_pairs += contexts
             batch.kv_tokens_read += contexts
+            batch.decode_context += contexts - n
         return batch
 
     def _end_step(self) -> None:

@@ -123,6 +123,11 @@ class AsyncEngine(StreamingEngine[StreamQueue]):
         self._thread.start()
 
     @property
+    def dead(self) -> str | None:
+        """Why the engine can run no more steps (a tensor-parallel rank died), or None while it can."""
+        return self.engine.dead
+
+    @property
     def tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
 

@@ -119,6 +119,13 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     threads: int = 0  # PyTorch threads; 0 = auto (servers: every usable core but one; offline: PyTorch's default)
     engine_process: bool = True  # servers: the engine steps in its own process, not on a thread beside the HTTP loop
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "ranks the model is split across (heads, KV heads, MLP and vocabulary), one process each: "
+            "gloo on CPU, NCCL with one GPU per rank (default: 1, no split)"
+        },
+    )
     speculative_config: SpeculativeConfig | None = field(
         default=None,
         metadata={
@@ -130,6 +137,12 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        if isinstance(self.tensor_parallel_size, bool) or not (
+            isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1
+        ):
+            raise ValueError(
+                f"tensor_parallel_size must be an integer of at least 1, got {self.tensor_parallel_size!r}"
+            )
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     import torch
 
     from tokenfleet.engine.draft import DraftModel
+    from tokenfleet.engine.tensor_parallel import TensorParallelGroup
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -62,13 +63,24 @@ class Engine:
         self.device = config.resolved_device()
         dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
         self.tokenizer = None if config.skip_tokenizer_init else Tokenizer.from_dir(config.model)
-        self.max_model_len = self._max_model_len(config, ModelConfig.from_dir(config.model))
-        self.model = load_model(
-            config.model, dtype, self.device, max_positions=self.max_model_len, quantization=config.quantization
-        )
-        self.model_config = self.model.config
-        draft = self._draft_model(config.speculative_config, dtype)
-        self.runner = ModelRunner(self.model, config, self.device, draft)
+        model_config = ModelConfig.from_dir(config.model)
+        self.max_model_len = self._max_model_len(config, model_config)
+        self.tensor_parallel: TensorParallelGroup | None = None
+        self.runner: ModelRunner
+        draft = None
+        if config.tensor_parallel_size > 1:  # tensor parallel: this process is rank 0 (engine/tensor_parallel.py)
+            from tokenfleet.engine.tensor_parallel import TensorParallelGroup
+
+            self.tensor_parallel = TensorParallelGroup(config, model_config, dtype, self.device, self.max_model_len)
+            self.model, self.model_config = self.tensor_parallel.model, model_config  # the shard; the whole config
+            self.runner = self.tensor_parallel.runner(config, self.device)
+        else:
+            self.model = load_model(
+                config.model, dtype, self.device, max_positions=self.max_model_len, quantization=config.quantization
+            )
+            self.model_config = self.model.config
+            draft = self._draft_model(config.speculative_config, dtype)
+            self.runner = ModelRunner(self.model, config, self.device, draft)
         self.blocks = KVBlockManager(
             self.runner.num_blocks,
             config.block_size,
@@ -186,6 +198,11 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    @property
+    def dead(self) -> str | None:
+        """Why this engine can run no more steps (a tensor-parallel rank died), or None while it can."""
+        return self.tensor_parallel.lost if self.tensor_parallel is not None else None
 
     # --- the step -----------------------------------------------------------------------------------------
 

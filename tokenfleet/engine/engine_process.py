@@ -239,6 +239,8 @@ def _engine_main(config: EngineConfig, conn: Connection, threads: int) -> None:
     except Exception as e:  # a bad checkpoint or config: the server reports it and exits
         conn.send(("failed", f"{e.__class__.__name__}: {e}"))
         return
+    if engine.tensor_parallel is not None:  # a rank that dies takes this process down: the server reports it down
+        engine.tensor_parallel.on_lost = lambda reason: os._exit(3)
     log.info("engine process %d: %d PyTorch thread(s)", os.getpid(), threads)
     conn.send(("ready", engine.limits, EngineState.of(engine)))
     _EngineLoop(engine, conn).run()

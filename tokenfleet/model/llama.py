@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -90,6 +92,8 @@ class LlamaForCausalLM(nn.Module):
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.rope = rope
+        # tensor parallel: joins the ranks' vocab-shard logits (model/parallel.py); None for a whole model
+        self.gather_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @torch.inference_mode()
     def forward(
@@ -106,4 +110,5 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, positions, kv_cache, meta)
         x = self.norm(x[logits_indices])
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight)
+        logits = F.linear(x, weight)
+        return logits if self.gather_logits is None else self.gather_logits(logits)

@@ -13,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 
 from tokenfleet.model.config import ModelConfig, WeightQuantization
 from tokenfleet.model.llama import LlamaForCausalLM
+from tokenfleet.model.parallel import Collectives, TensorShard, parallelize, read_shard, shard_config
 from tokenfleet.model.quantized import QuantizedLinear, quantize_per_channel, replace_linears, unpack_int8
 
 log = logging.getLogger(__name__)
@@ -40,9 +41,11 @@ def load_model(
     device: str | torch.device = "cpu",
     max_positions: int | None = None,
     quantization: str | None = None,
+    shard: tuple[TensorShard, Collectives] | None = None,
 ) -> LlamaForCausalLM:
     """`quantization` (fp8 | int8): quantize a full-precision checkpoint's linear weights while loading; a
-    checkpoint that config.json says is quantized loads its 8-bit weights as they are."""
+    checkpoint that config.json says is quantized loads its 8-bit weights as they are. `shard`: tensor parallel,
+    this rank's shard of the model and the group it computes with (model/parallel.py); only its slices are read."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model folder {path} does not exist")
@@ -51,13 +54,17 @@ def load_model(
     dtype = dtype or config.dtype
     device = torch.device(device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions)
+        if shard is None:
+            model = LlamaForCausalLM(config, max_positions)
+        else:  # tensor parallel: the rank's share of heads and columns, its layers swapped for the parallel ones
+            model = LlamaForCausalLM(shard_config(config, shard[0]), max_positions)
+            parallelize(model, *shard)
     if scheme is not None:
         replace_linears(model, scheme, _checkpoint_module_names(model))
         log.info("linear weights in 8 bits: %s %s, dequantized on the fly", scheme.method, scheme.weight_type)
     _materialize(model, dtype, device)
     model.rope.build(device)
-    loaded = _load_weights(model, path, scheme)
+    loaded = _load_weights(model, path, scheme, shard[0] if shard is not None else None)
     _check_complete(model, loaded)
     return model.eval()
 
@@ -117,7 +124,9 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _load_weights(model: LlamaForCausalLM, path: Path, scheme: WeightQuantization | None) -> set[str]:
+def _load_weights(
+    model: LlamaForCausalLM, path: Path, scheme: WeightQuantization | None, shard: TensorShard | None = None
+) -> set[str]:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     files = weight_files(path)
@@ -126,7 +135,7 @@ def _load_weights(model: LlamaForCausalLM, path: Path, scheme: WeightQuantizatio
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    tensor = f.get_tensor(name)
+                    tensor = f.get_tensor(name) if shard is None else read_shard(f, name, shard)
                     loaded.update(_place(model, params, name, tensor, scheme))
                     progress.advance(tensor.numel() * tensor.element_size(), index)
         except (OSError, SafetensorError) as e:

@@ -1,5 +1,5 @@
 """The `tokenfleet` command line. Each subcommand is one function that adds its arguments plus one that runs it,
-registered in COMMANDS (most of them `deferred`: imported from the command's own module only when used); add new
+registered in COMMANDS (most of them `Deferred`: imported from the command's own module only when used); add new
 subcommands by appending to that table."""
 
 from __future__ import annotations
@@ -12,24 +12,28 @@ from dataclasses import dataclass
 from typing import Any
 
 
-def deferred(module: str, function: str) -> Callable[[Any], Any]:
+@dataclass(frozen=True)
+class Deferred:
     """`module.function`, imported when first called: each command imports what it needs (the engine's, PyTorch)
-    only when it parses its arguments or runs."""
+    only when it parses its arguments or runs. An object rather than a closure: `gateway --workers` hands the
+    parsed arguments, this included, to its worker processes."""
 
-    def call(arg: Any) -> Any:
-        return getattr(importlib.import_module(module), function)(arg)
+    module: str
+    function: str
 
-    return call
+    def __call__(self, arg: Any) -> Any:
+        return getattr(importlib.import_module(self.module), self.function)(arg)
 
 
-def until_done(serve: Callable[[argparse.Namespace], None]) -> Callable[[argparse.Namespace], int]:
+@dataclass(frozen=True)
+class UntilDone:
     """A command that serves until it is stopped: its exit status is 0 once it returns."""
 
-    def run(args: argparse.Namespace) -> int:
-        serve(args)
-        return 0
+    serve: Callable[[argparse.Namespace], None]
 
-    return run
+    def __call__(self, args: argparse.Namespace) -> int:
+        self.serve(args)
+        return 0
 
 
 @dataclass(frozen=True)
@@ -206,25 +210,25 @@ COMMANDS: list[Command] = [
         "serve",
         "gateway and one replica in one process (demo checkpoint without --model)",
         add_serve,
-        until_done(deferred("tokenfleet.commands.serve", "serve_embedded")),
+        UntilDone(Deferred("tokenfleet.commands.serve", "serve_embedded")),
     ),
     Command(
         "gateway",
         "the public API in front of replicas listed in a fleet.yaml",
         add_gateway,
-        until_done(deferred("tokenfleet.commands.serve", "serve_gateway")),
+        UntilDone(Deferred("tokenfleet.commands.serve", "serve_gateway")),
     ),
     Command(
         "replica",
         "serve one model with the OpenAI-compatible replica server",
         add_replica,
-        until_done(deferred("tokenfleet.commands.replica", "serve_replica")),
+        UntilDone(Deferred("tokenfleet.commands.replica", "serve_replica")),
     ),
     Command(
         "fleet",
         "a local fleet in one command: N replicas and a gateway on the local Redis and PostgreSQL",
-        deferred("tokenfleet.commands.fleet", "add_fleet_arguments"),
-        deferred("tokenfleet.commands.fleet", "run_fleet_command"),
+        Deferred("tokenfleet.commands.fleet", "add_fleet_arguments"),
+        Deferred("tokenfleet.commands.fleet", "run_fleet_command"),
     ),
     Command("generate", "generate completions offline for a few prompts", add_generate, run_generate),
     Command(
@@ -236,32 +240,32 @@ COMMANDS: list[Command] = [
     Command(
         "eval",
         "evaluation gate: perplexity, and KL divergence and top-1 agreement against a reference model",
-        deferred("tokenfleet.commands.eval", "add_eval"),
-        deferred("tokenfleet.commands.eval", "run_eval"),
+        Deferred("tokenfleet.commands.eval", "add_eval"),
+        Deferred("tokenfleet.commands.eval", "run_eval"),
     ),
     Command(
         "keys",
         "create, list and revoke API keys (runs database migrations first)",
         add_keys,
-        deferred("tokenfleet.commands.keys", "run_keys_command"),
+        Deferred("tokenfleet.commands.keys", "run_keys_command"),
     ),
     Command(
         "db",
         "create the database when missing and migrate it (db init)",
-        deferred("tokenfleet.commands.database", "add_db_arguments"),
-        deferred("tokenfleet.commands.database", "run_db_command"),
+        Deferred("tokenfleet.commands.database", "add_db_arguments"),
+        Deferred("tokenfleet.commands.database", "run_db_command"),
     ),
     Command(
         "usage",
         "tokens and cost by organisation, user, model and day; cost per million output tokens",
-        deferred("tokenfleet.commands.usage", "add_usage_arguments"),
-        deferred("tokenfleet.commands.usage", "run_usage_command"),
+        Deferred("tokenfleet.commands.usage", "add_usage_arguments"),
+        Deferred("tokenfleet.commands.usage", "run_usage_command"),
     ),
     Command(
         "simulate",
         "simulate a fleet (gateway, quotas, router, replicas) in simulated time: docs/simulator.md",
-        deferred("tokenfleet.sim.command", "add_simulate_arguments"),
-        deferred("tokenfleet.sim.command", "run_simulate_command"),
+        Deferred("tokenfleet.sim.command", "add_simulate_arguments"),
+        Deferred("tokenfleet.sim.command", "run_simulate_command"),
     ),
 ]
 

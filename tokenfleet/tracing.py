@@ -21,8 +21,24 @@ ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_
 
 
 def tracer(component: str) -> trace.Tracer:
-    """A component's tracer: a proxy that follows whatever provider is set up, now or later."""
+    """A component's tracer, to keep (one per module): a proxy that follows whatever provider is set up, now or
+    later, and once there is one, answers with its tracer without looking it up again."""
     return trace.get_tracer(f"tokenfleet.{component}")
+
+
+_provider_seen = False  # a provider, once set, stays for the process's life
+
+
+def recording(parent: trace.Span | None = None) -> bool:
+    """Whether a span started now, under `parent` (a span of ours) when given, can be recorded or passed on to the
+    next hop: so that callers skip building spans and their attributes when it cannot. Under a parent that is the
+    no-op tracer's (no collector configured) it cannot, and finding that out costs an attribute read."""
+    global _provider_seen
+    if parent is not None:
+        return parent.get_span_context().is_valid
+    if not _provider_seen:
+        _provider_seen = not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+    return _provider_seen
 
 
 def configure_tracing(service_name: str) -> bool:

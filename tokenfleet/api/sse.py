@@ -8,6 +8,11 @@ PING = ": ping\n\n"
 
 def sse_event(data: str, event_id: str | int | None = None, event: str | None = None) -> str:
     """One event; multi-line data is split into several data lines as the SSE format requires."""
+    if "\n" not in data:  # a JSON chunk: one data line (the path of every streamed event, so no list to join)
+        if event_id is None and event is None:
+            return f"data: {data}\n\n"
+        if event is None:
+            return f"id: {event_id}\ndata: {data}\n\n"
     lines = []
     if event_id is not None:
         lines.append(f"id: {event_id}")

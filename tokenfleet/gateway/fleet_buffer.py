@@ -65,6 +65,11 @@ class FleetResumeBuffer:
             await self._share(request_id, self.shared.append(request_id, event))
         await self.local.append(request_id, event)
 
+    async def append_many(self, request_id: str, events: list[StreamEvent]) -> None:
+        if request_id not in self.unshared:
+            await self._share(request_id, self.shared.append_many(request_id, events))
+        await self.local.append_many(request_id, events)
+
     async def close(self, request_id: str) -> None:
         if request_id not in self.unshared:
             await self._share(request_id, self.shared.close(request_id))

@@ -1,6 +1,12 @@
 """A relay runs one request's generation in the background, independent of any client connection, and writes
 every event to the resume buffer; client connections read from there at their own pace. So a slow or dropped
-client never blocks generation, and a reconnecting client resumes where it left off."""
+client never blocks generation, and a reconnecting client resumes where it left off.
+
+The events a relay makes within one event-loop tick (those of all the chunks one read from the replica brought) go
+to the buffer as one write, by a writer task of the relay's own that starts once the relay waits for its replica
+again: one Redis entry of the tick's script call and one wake-up of the readers, who send them in one message,
+instead of one of each per event. The relay's writes still happen one after another, in order, and it ends only
+once all of them are held by the buffer."""
 
 from __future__ import annotations
 
@@ -19,6 +25,17 @@ from tokenfleet.gateway.resume import ResumeBuffer, StreamEvent
 from tokenfleet.metering.outage import raise_if_cancelled
 
 log = logging.getLogger(__name__)
+MAX_QUEUED = 256  # events a relay queues ahead of its buffer's writes before it waits for them
+
+
+@dataclass(frozen=True, slots=True)
+class _Queued:
+    """An event made but not yet written, with the replica's count as of its chunk."""
+
+    id: int
+    data: str
+    name: str | None
+    usage: Usage | None
 
 
 @dataclass(eq=False)
@@ -40,12 +57,35 @@ class Relay:
     failure: str | None = None  # why generation failed, if it did
     _cancel_timer: asyncio.TimerHandle | None = None
     _running: bool = False  # whether the task has begun (a task cancelled before that never runs its clean-up)
-    _usage_json: str | None = None  # self.usage as stored beside each event, for metering after a crash
+    _queued: list[_Queued] = field(default_factory=list)  # events made, not yet taken by the writer
+    _writer: asyncio.Task | None = None  # writes what is queued, one write after another
+    _write_failure: Exception | None = None  # what the buffer raised on a write, until the relay fails with it
+    _usage_json: tuple[Usage | None, str | None] = (None, None)  # the last count encoded, and its JSON
+    _ended: bool = False  # whether the format's end is queued (or written)
+    _opening: asyncio.Future | None = None  # the stream's open in the buffer
+    _written_id: int = 0  # the last event the buffer holds
+    _progress: asyncio.Future | None = None  # resolved by the writer at its next write (or its end)
 
     async def start(self, chunks: AsyncIterator[Piece]) -> None:
-        await self.buffer.open(self.request_id, self.owner, self.format.kind)
-        await self._emit_all(self.format.start())
-        self.task = asyncio.create_task(self._run(chunks), name=f"relay-{self.request_id}")
+        """Opens the stream in the buffer; while the open waits for Redis, the relay already asks its replica (the
+        open's round trip and the replica's first token overlap). Returns once the stream is open; the relay writes
+        nothing before that, and nothing at all if it could not be opened (then it is cancelled, and this raises)."""
+        self._opening = opening = asyncio.ensure_future(self.buffer.open(self.request_id, self.owner, self.format.kind))
+        self._queue(self.format.start())  # the first events, whatever the replica sends meanwhile
+        first_events = self.last_id
+        try:
+            await asyncio.sleep(0)  # the open's first step: a buffer in memory has finished it now
+            if not opening.done():
+                self.task = asyncio.create_task(self._run(chunks), name=f"relay-{self.request_id}")
+            await asyncio.shield(opening)
+        except BaseException:
+            opening.cancel()  # start itself was cancelled (the client left while it waited)
+            if self.task is not None:
+                self.task.cancel()
+            raise
+        if self.task is None:
+            self.task = asyncio.create_task(self._run(chunks), name=f"relay-{self.request_id}")
+        await self._written(first_events)
 
     async def _run(self, chunks: AsyncIterator[Piece]) -> None:
         self._running = True
@@ -55,48 +95,147 @@ class Relay:
                 async for chunk in chunks:
                     await self._relay(chunk)
                     self._stop_if_cancelled()
+            self._end()  # now: it goes in the same write as the last events
+            await self._written()  # a write that fails now fails the relay like one that failed before
         except APIError as e:
             self.failure = e.message
-            await self._emit_all(self.format.error(e))
+            self._queue(self.format.error(e))
         except asyncio.CancelledError:
             self.cancel_reason = self.cancel_reason or "shutdown"
             log.info("request %s cancelled", self.request_id)
         except Exception as e:  # the replica broke mid-stream: the client gets an error event, not a hang
             log.exception("relay %s failed", self.request_id)
             self.failure = f"generation failed: {e}"
-            await self._emit_all(self.format.error(APIError(502, self.failure, "server_error")))
+            self._queue(self.format.error(APIError(502, self.failure, "server_error")))
         finally:
             await self._finish()
 
     async def _relay(self, chunk: Piece) -> None:
         if not isinstance(chunk, Chunk):  # the replica died; the response goes on from another one
-            await self._emit_all(self.format.retrying(chunk))
+            self._queue(self.format.retrying(chunk))
             return
-        if self.first_token_at is None and chunk.choices:
+        first = self.first_token_at is None and bool(chunk.choices)
+        if first:
             self.first_token_at = time.monotonic()
         if chunk.usage is not None:
             self.usage = chunk.usage
-            self._usage_json = chunk.usage.to_json()
-        await self._emit_all(self.format.chunk(chunk))
+        self._queue(self.format.chunk(chunk))
+        # the first token goes out at once, not after the rest of its read (the time to first token); and when the
+        # buffer is slower than the replica, the relay waits for it
+        if first or len(self._queued) >= MAX_QUEUED:
+            await self._written()
 
     def _stop_if_cancelled(self) -> None:
         """A cancellation can get lost on its way in: redis-py swallows one that lands just as a reply arrives and
-        returns normally, and the relay would then generate to the end. So it checks between events as well."""
+        returns normally, and the relay would then generate to the end. So it checks between events as well; and
+        for a write the buffer refused, which stops the relay as it did when the relay awaited each write."""
         if self.cancel_reason is not None:
             raise asyncio.CancelledError()
         raise_if_cancelled()
+        self._raise_write_failure()
 
-    async def _emit_all(self, events: list[Event]) -> None:
+    def _raise_write_failure(self) -> None:
+        failure = self._write_failure
+        if failure is not None:
+            self._write_failure = None
+            self._queued.clear()  # nothing after a lost event (what comes next: the error, the end)
+            self._ended = False  # the end may have been lost with it
+            raise failure
+
+    def _queue(self, events: list[Event]) -> None:
+        """Numbers the events and queues them; the tick's first starts the writer, which runs once the relay waits
+        (for its replica, mostly), so it takes all of them at once."""
+        if not events:
+            return
+        usage = self.usage
         for data, name in events:
             self.last_id += 1
-            await self.buffer.append(self.request_id, StreamEvent(self.last_id, data, name, self._usage_json))
+            self._queued.append(_Queued(self.last_id, data, name, usage))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.get_running_loop().create_task(self._write_queued(), name=f"write-{self.request_id}")
+
+    async def _write_queued(self) -> None:
+        """What is queued, as one write per turn (more queued meanwhile goes in the next); a failure is kept for the
+        relay and drops the rest."""
+        try:
+            if not await self._opened():
+                raise RuntimeError(f"the stream of {self.request_id} could not be opened in the resume buffer")
+            while self._queued:
+                queued, self._queued = self._queued, []
+                await self._write(queued)
+                self._written_id = queued[-1].id
+                self._wake_waiters()
+        except Exception as e:
+            self._write_failure = e
+            self._queued.clear()
+        finally:
+            self._wake_waiters()
+
+    def _wake_waiters(self) -> None:
+        progress, self._progress = self._progress, None
+        if progress is not None and not progress.done():
+            progress.set_result(None)
+
+    async def _write(self, queued: list[_Queued]) -> None:
+        append_many = getattr(self.buffer, "append_many", None)  # optional (resume.py's buffers have it)
+        if append_many is None:  # one event at a time, each with its count (a crash may come between two)
+            for q in queued:
+                await self.buffer.append(self.request_id, StreamEvent(q.id, q.data, q.name, self._json(q.usage)))
+            return
+        # one atomic write: the count beside its last event is the newest, which is what metering reads after a crash
+        events = [StreamEvent(q.id, q.data, q.name) for q in queued]
+        last = queued[-1]
+        events[-1] = StreamEvent(last.id, last.data, last.name, self._json(last.usage))
+        await append_many(self.request_id, events)
+
+    def _json(self, usage: Usage | None) -> str | None:
+        """The count as stored beside an event, encoded once per count, not once per event."""
+        if usage is None:
+            return None
+        encoded, text = self._usage_json
+        if encoded is not usage:
+            text = usage.to_json()
+            self._usage_json = (usage, text)
+        return text
+
+    async def _written(self, upto: int | None = None) -> None:
+        """Until the buffer holds every event queued so far (or up to id `upto`), not those queued meanwhile; raises
+        what a write raised. Waiting does not stop the writer: a relay cancelled meanwhile still has its events
+        written."""
+        target = self.last_id if upto is None else upto
+        while self._written_id < target and self._writer is not None and not self._writer.done():
+            if self._progress is None or self._progress.done():  # done: cancelled with a waiter before
+                self._progress = asyncio.get_running_loop().create_future()
+            await self._progress
+        self._raise_write_failure()
+
+    def _end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._queue(self.format.end())
+
+    async def _opened(self) -> bool:
+        """Whether the buffer holds the stream's open, once that is known (waiting for it does not cancel it)."""
+        opening = self._opening
+        if opening is None:
+            return True
+        if not opening.done():
+            await asyncio.wait({opening})
+        return not opening.cancelled() and opening.exception() is None
 
     async def _finish(self) -> None:
         try:
-            await self._emit_all(self.format.end())
-            await self.buffer.close(self.request_id)
+            if await self._opened():  # else there is no stream to end (start raised, and cancelled this task)
+                self._end()
+                await self._written()
+                await self.buffer.close(self.request_id)
         finally:
             self.finished.set()
+
+    @property
+    def written_id(self) -> int:
+        """The last event the buffer holds: what a reader can have (last_id counts those still being written)."""
+        return self._written_id
 
     @property
     def status(self) -> str:

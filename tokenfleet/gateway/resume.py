@@ -1,7 +1,9 @@
 """The resume buffer: every event of a stream, kept for a few minutes so a client that reconnects with
 Last-Event-ID gets what it missed, exactly once, then the live events. In memory when embedded; a capped,
 expiring Redis Stream per request in a fleet (so any gateway can resume any stream). In Redis, the events that all
-streams write within one event-loop tick go in one script call (one round trip), in the order they were written."""
+streams write within one event-loop tick go in one script call (one round trip), in the order they were written;
+`append_many` writes several events of one stream (a relay's events of one read from its replica) as one write:
+one wake-up for its readers, one entry in the script call."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ logger = logging.getLogger(__name__)
 REDIS_FAILURES = (RedisError, OSError, asyncio.TimeoutError)  # every way a Redis call can fail for want of Redis
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StreamEvent:
     id: int  # 1, 2, 3, ... within one request
     data: str
@@ -50,6 +52,9 @@ class ResumeBuffer(Protocol):
         (formats.py), for the error that ends it should its gateway die."""
 
     async def append(self, request_id: str, event: StreamEvent) -> None: ...
+
+    # Optional, where a buffer has it (relay.py asks): async def append_many(self, request_id, events) -> None, the
+    # events in order as one write, held by the buffer (every one of them) when it returns.
 
     async def close(self, request_id: str) -> None:
         """Marks the stream complete: readers stop after its last event."""
@@ -150,6 +155,14 @@ class MemoryResumeBuffer:
             log.events.append(event)
         self._touch(request_id, log)
 
+    async def append_many(self, request_id: str, events: list[StreamEvent]) -> None:
+        """The events in order, with one wake-up of the stream's readers (who then read them all at once)."""
+        log = self._log(request_id)
+        room = self.max_events - len(log.events)
+        if room > 0:
+            log.events.extend(events if len(events) <= room else events[:room])
+        self._touch(request_id, log)
+
     async def close(self, request_id: str) -> None:
         log = self._log(request_id)
         log.closed = True
@@ -202,12 +215,15 @@ class MemoryResumeBuffer:
 
 
 LOST = "the gateway relaying this request stopped before the generation finished; the rest of it was lost"
-MAX_WRITES = 512  # events per script call; more in one tick go in several calls at once
+# writes per script call (a write: one event, or a relay's events of one tick); more in one tick go in several calls
+MAX_WRITES = 512
 
 # The writes of one tick, in order, as one atomic call. KEYS: each write's stream (one stream may come more than
 # once), then this gateway's alive key when ARGV[3] > 0. ARGV: ttl_s, max events (approximate MAXLEN), alive lease
-# ms (0: none), then per write its number of field arguments and the fields (name, value, ...). The alive key is
-# set first: a stream never names a gateway not marked alive. Returns per write 1, or the error that refused it.
+# ms (0: none), then per write its number of entries and, per entry, its number of field arguments and the fields
+# (name, value, ...). The alive key is set first: a stream never names a gateway not marked alive. A write's entries
+# are added in order; the first one Redis refuses ends that write (no gap: nothing after it is added). Returns per
+# write 1, or the error that refused it.
 APPEND = Script(
     r"""
 local ttl, maxlen, alive_ms = ARGV[1], ARGV[2], tonumber(ARGV[3])
@@ -218,18 +234,26 @@ if alive_ms > 0 then
 end
 local out, at, touched = {}, 4, {}
 for k = 1, writes do
-  local n = tonumber(ARGV[at])
-  local added = redis.pcall('XADD', KEYS[k], 'MAXLEN', '~', maxlen, '*', unpack(ARGV, at + 1, at + n))
-  if type(added) == 'table' and added.err then
-    out[k] = added.err
-  else
-    out[k] = 1
-    if not touched[KEYS[k]] then
-      touched[KEYS[k]] = true
-      redis.call('EXPIRE', KEYS[k], ttl)
+  local entries = tonumber(ARGV[at])
+  at = at + 1
+  local status, added_any = 1, false
+  for e = 1, entries do
+    local n = tonumber(ARGV[at])
+    if status == 1 then
+      local added = redis.pcall('XADD', KEYS[k], 'MAXLEN', '~', maxlen, '*', unpack(ARGV, at + 1, at + n))
+      if type(added) == 'table' and added.err then
+        status = added.err
+      else
+        added_any = true
+      end
     end
+    at = at + n + 1
   end
-  at = at + n + 1
+  if added_any and not touched[KEYS[k]] then
+    touched[KEYS[k]] = true
+    redis.call('EXPIRE', KEYS[k], ttl)
+  end
+  out[k] = status
 end
 return out
 """
@@ -239,7 +263,8 @@ return out
 @dataclass(frozen=True, slots=True)
 class _Write:
     key: str
-    fields: list[str | int]  # name, value, name, value, ...
+    entries: int  # how many stream entries
+    args: list[str | int]  # per entry: its number of field arguments, then name, value, name, value, ...
     mark_alive: bool = False
 
 
@@ -347,12 +372,19 @@ class RedisResumeBuffer:
         await self._add(request_id, fields, mark_alive=bool(self.gateway_id))
 
     async def append(self, request_id: str, event: StreamEvent) -> None:
-        fields: list[str | int] = ["id", event.id, "data", event.data]
-        if event.event is not None:
-            fields += ["event", event.event]
-        if event.usage is not None:
-            fields += ["usage", event.usage]
-        await self._add(request_id, fields)
+        args: list[str | int] = []
+        _event_args(event, args)
+        await self._writes.submit(_Write(self._key(request_id), 1, args))
+
+    async def append_many(self, request_id: str, events: list[StreamEvent]) -> None:
+        """The events as one write of the tick's script call, in order: one stream's events never straddle two calls
+        (which could reach Redis out of order). Should Redis refuse one, the ones before it stay and it raises."""
+        if not events:
+            return
+        args: list[str | int] = []
+        for event in events:
+            _event_args(event, args)
+        await self._writes.submit(_Write(self._key(request_id), len(events), args))
 
     async def close(self, request_id: str) -> None:
         await self._add(request_id, [self.END, 1])
@@ -368,7 +400,7 @@ class RedisResumeBuffer:
         """Returns once Redis holds the event (raises when it does not): batched with the other streams' writes of
         this tick. One stream's writes are awaited one by one by its relay, and a batch keeps the order of its
         writes, so a stream's events are in Redis in the order they were written."""
-        await self._writes.submit(_Write(self._key(request_id), fields, mark_alive))
+        await self._writes.submit(_Write(self._key(request_id), 1, [len(fields), *fields], mark_alive))
 
     async def _write(self, writes: list[_Write]) -> list[object]:
         keys, args = [w.key for w in writes], [self.ttl_s, self.max_events, 0]
@@ -376,8 +408,8 @@ class RedisResumeBuffer:
             keys.append(self._alive_key(self.gateway_id))
             args[2] = int(self.owner_lease_s * 1000)
         for write in writes:
-            args.append(len(write.fields))
-            args.extend(write.fields)
+            args.append(write.entries)
+            args.extend(write.args)
         [reply] = await run_scripts(self.redis, [ScriptCall(APPEND, keys, args)])
         if isinstance(reply, Exception):
             raise reply
@@ -431,6 +463,20 @@ class RedisResumeBuffer:
 
     def release(self, request_id: str) -> None:
         """Nothing to do: Redis expires the stream."""
+
+
+def _event_args(event: StreamEvent, args: list[str | int]) -> None:
+    """An event's stream entry as APPEND takes it: its number of field arguments, then the fields."""
+    if event.event is None and event.usage is None:
+        args += [4, "id", event.id, "data", event.data]
+        return
+    fields: list[str | int] = ["id", event.id, "data", event.data]
+    if event.event is not None:
+        fields += ["event", event.event]
+    if event.usage is not None:
+        fields += ["usage", event.usage]
+    args.append(len(fields))
+    args.extend(fields)
 
 
 def _text(value) -> str:

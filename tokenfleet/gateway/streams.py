@@ -42,7 +42,7 @@ class Streams:
         if relay is not None:
             relay.reader_joined()
             limit = self.settings.max_lag_events
-            behind = lambda event_id: relay.last_id - event_id > limit  # noqa: E731
+            behind = lambda event_id: relay.written_id - event_id > limit  # noqa: E731
 
         def on_end(how: str) -> None:
             self.metrics.stream_endings.labels(how).inc()

@@ -47,7 +47,8 @@ def fleet_config(model_dir, port: int, prefix: str, logs) -> dict:
             "scale_down_delay_s": 3,
             "cooldown_s": 2,
             "drain_settle_s": 1,
-            "local": {"drain_timeout_s": 20, "log_dir": str(logs / "replicas")},
+            # the gateway stops its replicas within drain + 5 s, inside the 20 s running_process gives it
+            "local": {"drain_timeout_s": 8, "log_dir": str(logs / "replicas")},
             "pools": {
                 MODEL: {"min_replicas": 1, "max_replicas": 2, "target_in_flight": 2, "replica_args": REPLICA_ARGS}
             },

@@ -301,6 +301,18 @@ def command_line(script: str) -> str:
     return "python " + " ".join(shlex.quote(a) for a in ([os.path.relpath(script, REPO)] + sys.argv[1:]))
 
 
+def report_header(script: str, machine: str, load: dict[str, str]) -> list[str]:
+    """The opening lines of a lever benchmark's report: the command, the machine, the load before and after."""
+    return [
+        "Command: `" + command_line(script) + "`",
+        "",
+        f"Machine: {machine}",
+        f"Load before: `{load['before']}`",
+        f"Load after: `{load['after']}`",
+        "",
+    ]
+
+
 def make_run_dir(given: str | None, prefix: str) -> Path:
     """--run-dir, or a new temp dir named with `prefix`."""
     run_dir = Path(given) if given else Path(tempfile.mkdtemp(prefix=prefix))

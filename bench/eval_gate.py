@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import command_line, cpu_model, git_head  # noqa: E402
+from bench._common import command_line, cpu_model, git_head, report_header  # noqa: E402
 
 COPY_PASSAGE_TOKENS = 40  # the trained checkpoint copies from 40 positions back (bench/_copy_model.py)
 COPY_REPEATS = 3
@@ -234,12 +234,7 @@ def render(args: argparse.Namespace, rows: list[GateRow], load: dict[str, str], 
     scored = "; ".join(f"{c}, {t}: {n}" for (c, t), n in tokens.items())
     return "\n".join(
         [
-            "Command: `" + command_line(__file__) + "`",
-            "",
-            f"Machine: {cpu_model()}; commit {git_head()}; {seconds:.0f} s in all.",
-            f"Load before: `{load['before']}`",
-            f"Load after: `{load['after']}`",
-            "",
+            *report_header(__file__, f"{cpu_model()}; commit {git_head()}; {seconds:.0f} s in all.", load),
             f"Gate: `--max-kl {args.max_kl} --min-agreement {args.min_agreement} --max-perplexity "
             f"<reference perplexity x {args.max_ppl_ratio}>`, against the unquantized checkpoint.",
             "",

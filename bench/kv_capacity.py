@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import command_line, cpu_model, git_head  # noqa: E402
+from bench._common import cpu_model, git_head, report_header  # noqa: E402
 from bench._vllm_levers import run_worker  # noqa: E402
 from bench.speculative import uptime  # noqa: E402
 
@@ -199,12 +199,7 @@ def render(args: argparse.Namespace, rows: list[Row], load: dict) -> str:
         )
     return "\n".join(
         [
-            "Command: `" + command_line(__file__) + "`",
-            "",
-            f"Machine: {cpu_model()}, {args.threads} PyTorch thread(s); commit {git_head()}.",
-            f"Load before: `{load['before']}`",
-            f"Load after: `{load['after']}`",
-            "",
+            *report_header(__file__, f"{cpu_model()}, {args.threads} PyTorch thread(s); commit {git_head()}.", load),
             f"Budget: {args.budget_mib} MiB of KV cache in every engine; demo {args.size} checkpoint; "
             f"{args.requests} requests of {args.prompt_len} prompt tokens + {args.max_tokens} greedy tokens "
             f"({args.prompt_len + args.max_tokens} tokens each), all added at once.",

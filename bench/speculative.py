@@ -40,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import command_line, cpu_model, git_head  # noqa: E402
+from bench._common import cpu_model, git_head, report_header  # noqa: E402
 from bench._copy_model import corpus_ids, trained_checkpoint  # noqa: E402
 from bench._vllm_levers import run_worker  # noqa: E402
 
@@ -283,12 +283,7 @@ def render(args: argparse.Namespace, rows: list[Row], load: dict, target: Path, 
     trained = [json.loads((p / "trained.json").read_text()) for p in (target, draft) if p is not None]
     return "\n".join(
         [
-            "Command: `" + command_line(__file__) + "`",
-            "",
-            f"Machine: {cpu_model()}, {args.threads} PyTorch thread(s); commit {git_head()}.",
-            f"Load before: `{load['before']}`",
-            f"Load after: `{load['after']}`",
-            "",
+            *report_header(__file__, f"{cpu_model()}, {args.threads} PyTorch thread(s); commit {git_head()}.", load),
             *lines,
             "",
             f"Medians of {args.runs} runs; each run: {args.requests} requests in waves of the batch size, each a "

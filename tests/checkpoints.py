@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -76,10 +77,18 @@ def load_reference(path: Path, dtype: torch.dtype = torch.float32):
     return model
 
 
-def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
+def reference_greedy(model, prompt: list[int], max_new_tokens: int, cache=None) -> list[int]:
+    """transformers' greedy generate on the model's device; with `cache`, that KV cache (e.g. one that rounds K and V
+    through 8 bits as an FP8 cache does)."""
+    ids = torch.tensor([prompt], device=model.device)
+    # transformers 5 renamed generate's past_key_values to cache; the old name works (with a warning) in 4 and 5
+    with torch.no_grad(), warnings.catch_warnings(action="ignore", category=FutureWarning):
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            **({} if cache is None else {"past_key_values": cache}),
         )
     return out[0, len(prompt) :].tolist()

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import argparse
 import random
-import warnings
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
-from tests.checkpoints import ARCHITECTURES, SMALL_KV, load_reference, make_checkpoint
+from tests.checkpoints import ARCHITECTURES, SMALL_KV, load_reference, make_checkpoint, reference_greedy
 from tokenfleet import LLM, SamplingParams
 from tokenfleet.engine.config import EngineConfig, add_engine_arguments
 from tokenfleet.engine.request import RequestStatus
@@ -54,18 +53,7 @@ class RoundTripCache(DynamicCache):
 
 def reference_greedy_fp8(model, prompt: list[int], max_new_tokens: int, llm: LLM) -> list[int]:
     runner = llm.engine.runner
-    ids = torch.tensor([prompt])
-    # transformers 5 renamed generate's past_key_values to cache; the old name works (with a warning) in 4 and 5
-    with torch.no_grad(), warnings.catch_warnings(action="ignore", category=FutureWarning):
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-            past_key_values=RoundTripCache(runner.kv_scales, runner.kv_dtype),
-        )
-    return out[0, len(prompt) :].tolist()
+    return reference_greedy(model, prompt, max_new_tokens, RoundTripCache(runner.kv_scales, runner.kv_dtype))
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))

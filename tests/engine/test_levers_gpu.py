@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import gc
 import random
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.checkpoints import load_reference, make_checkpoint
+from tests.checkpoints import load_reference, make_checkpoint, reference_greedy
 from tests.quantized_checkpoints import FORMATS, write_online_reference, write_quantized
 from tokenfleet import LLM, SamplingParams
 
@@ -40,21 +39,6 @@ def greedy(max_tokens: int) -> SamplingParams:
 def generate(llm: LLM, token_prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     outputs = llm.generate([{"prompt_token_ids": p} for p in token_prompts], greedy(max_tokens))
     return [out.token_ids for out in outputs]
-
-
-def reference_greedy(model, prompt: list[int], max_new_tokens: int, cache=None) -> list[int]:
-    """transformers' greedy generate on the model's device (with `cache`: its KV cache)."""
-    ids = torch.tensor([prompt], device=model.device)
-    with torch.no_grad(), warnings.catch_warnings(action="ignore", category=FutureWarning):
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-            **({} if cache is None else {"past_key_values": cache}),
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def release(llm: LLM) -> None:

@@ -93,6 +93,18 @@ def inject(headers: MutableMapping[str, str]) -> None:
         propagate.inject(headers, context=context)
 
 
+class EpochClock:
+    """time.monotonic() instants as the epoch nanoseconds spans are timed in (for spans written after the fact),
+    from one reading of both clocks: instants converted by one clock keep their exact differences, so stages that
+    meet stay met."""
+
+    def __init__(self) -> None:
+        self.now_ns, self.now = time.time_ns(), time.monotonic()
+
+    def __call__(self, monotonic_s: float) -> int:
+        return self.now_ns - int((self.now - monotonic_s) * 1e9)
+
+
 def epoch_ns(monotonic_s: float) -> int:
-    """A time.monotonic() instant as the epoch nanoseconds spans are timed in (for spans written after the fact)."""
-    return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
+    """One instant as epoch nanoseconds (see EpochClock for several that must line up)."""
+    return EpochClock()(monotonic_s)

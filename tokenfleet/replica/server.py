@@ -233,11 +233,7 @@ def _trace(stream: ChoiceStream, arrival: float) -> None:
     """The request's spans, written once it is over: the whole request, the wait in the engine's queue, its prefill
     (to the first token, with its number of chunks) and its decode; under the gateway's routing attempt when the
     gateway sent its trace."""
-    now_ns, now = time.time_ns(), time.monotonic()
-
-    def epoch(instant: float) -> int:  # one clock reading for all: the stages meet exactly
-        return now_ns - int((now - instant) * 1e9)
-
+    epoch = tracing.EpochClock()  # one clock reading for all: the stages meet exactly
     start = epoch(arrival)
     span = TRACER.start_span(
         "replica.request",
@@ -262,8 +258,8 @@ def _trace(stream: ChoiceStream, arrival: float) -> None:
         if timing is not None:
             prefill.set_attribute("tokenfleet.prefill_chunks", timing.num_prefill_chunks)
         prefill.end(end_time=first)
-        TRACER.start_span("decode", inside, start_time=first).end(end_time=now_ns)
-    span.end(end_time=now_ns)
+        TRACER.start_span("decode", inside, start_time=first).end(end_time=epoch.now_ns)
+    span.end(end_time=epoch.now_ns)
 
 
 async def reply(

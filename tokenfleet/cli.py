@@ -107,6 +107,20 @@ def add_replica(parser: argparse.ArgumentParser) -> None:
     name_help = "model name clients use (default: the checkpoint folder's name)"
     add_model_server_arguments(parser, 8100, model_required=True, name_help=name_help)
     add_drain_argument(parser)
+    disagg = parser.add_argument_group("disaggregated prefill/decode")
+    disagg.add_argument(
+        "--role",
+        choices=("both", "prefill", "decode"),
+        default="both",
+        help="both (default): prefill and decode its own requests; prefill: compute prompts' KV for decode "
+        "replicas; decode: take prompts' KV from prefill replicas and generate",
+    )
+    disagg.add_argument(
+        "--kv-port",
+        type=int,
+        default=0,
+        help="decode role: TCP port for KV transfers (default: 0, any free port; /internal/kv/info tells it)",
+    )
     fleet = parser.add_argument_group("fleet registry")
     fleet.add_argument(
         "--register",

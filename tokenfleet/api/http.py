@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import socket
+from collections.abc import AsyncIterator, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -138,6 +140,18 @@ async def until_disconnect(request: Request, work) -> dict:
         if await request.is_disconnected():
             task.cancel()
             raise APIError(499, "client closed the request", code="client_closed_request")
+
+
+def within_lifespan(app: FastAPI, context: Callable[[], contextlib.AbstractAsyncContextManager[object]]) -> None:
+    """Runs `context()` inside the app's lifespan (entered after the app's own startup, left before its shutdown)."""
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app_: FastAPI) -> AsyncIterator[object]:
+        async with inner(app_) as state, context():
+            yield state
+
+    app.router.lifespan_context = lifespan  # type: ignore[assignment]
 
 
 def run_http(app: FastAPI, host: str, port: int, drain_timeout_s: float, reuse_port: bool = False) -> None:

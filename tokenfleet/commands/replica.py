@@ -23,10 +23,11 @@ import httpx
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 
-from tokenfleet.api.http import run_http
+from tokenfleet.api.http import run_http, within_lifespan
 from tokenfleet.engine.config import engine_config_from_args
 from tokenfleet.engine.engine_process import start_engine
 from tokenfleet.logs import configure_logging
+from tokenfleet.replica.disagg import KVRole, check_role
 from tokenfleet.replica.server import create_app
 from tokenfleet.router.registry import RegistryKeys, ReplicaAnnouncer, ReplicaRecord
 from tokenfleet.tracing import configure_tracing
@@ -42,15 +43,28 @@ def serve_replica(args: argparse.Namespace) -> None:
     config = engine_config_from_args(args)
     name = args.served_model_name or Path(config.model).resolve().name
     registration = registration_from_args(args, name) if getattr(args, "register", None) else None
+    role = kv_role_from_args(args)
     engine = start_engine(config)
-    app = create_app(engine, name)
+    try:
+        check_role(role, engine)
+    except ValueError:
+        engine.shutdown()
+        raise
+    app = create_app(engine, name, role)
     if registration is not None:
         attach_registration(app, registration)
-    log.info("replica serving %s on http://%s:%d", name, args.host, args.port)
+    log.info("replica serving %s on http://%s:%d (role %s)", name, args.host, args.port, role.role)
     try:
         run_http(app, args.host, args.port, args.drain_timeout)
     finally:
         engine.shutdown()
+
+
+def kv_role_from_args(args: argparse.Namespace) -> KVRole:
+    role = getattr(args, "role", "both")
+    advertised = urlsplit(args.advertise_url).hostname if getattr(args, "advertise_url", None) else None
+    host = advertised or _ANY_ADDRESS.get(args.host, args.host)
+    return KVRole(role, args.host, getattr(args, "kv_port", 0), host)
 
 
 @dataclass(frozen=True)
@@ -72,7 +86,12 @@ def registration_from_args(args: argparse.Namespace, model_name: str) -> Registr
     RegistryKeys.under(args.registry_prefix)  # rejects a prefix the registry cannot use, before the model loads
     url = (args.advertise_url or default_advertise_url(args.host, args.port)).rstrip("/")
     record = ReplicaRecord(
-        name=urlsplit(url).netloc or url, url=url, model=model_name, pool=args.pool, started_at=time.time()
+        name=urlsplit(url).netloc or url,
+        url=url,
+        model=model_name,
+        pool=args.pool,
+        started_at=time.time(),
+        role=getattr(args, "role", "both"),
     )
     local = _bracketed(_ANY_ADDRESS.get(args.host, args.host))
     return Registration(
@@ -103,14 +122,7 @@ def _bracketed(host: str) -> str:
 
 def attach_registration(app: FastAPI, registration: Registration) -> None:
     """Runs the registration inside the app's lifespan, around whatever lifespan the app already has."""
-    inner = app.router.lifespan_context
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app_: FastAPI) -> AsyncIterator[object]:
-        async with inner(app_) as state, registered(registration):
-            yield state
-
-    app.router.lifespan_context = lifespan
+    within_lifespan(app, lambda: registered(registration))
 
 
 @contextlib.asynccontextmanager

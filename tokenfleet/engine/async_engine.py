@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeAlias, TypeVar
 
 from tokenfleet.engine.config import EngineConfig
+from tokenfleet.engine.kv_transfer import KVLayout
 from tokenfleet.engine.outputs import RequestOutput
 from tokenfleet.engine.request import SamplingParams
 from tokenfleet.engine.state import EngineState
@@ -44,6 +45,15 @@ def put_all(batch: list[tuple[OutputQueue, RequestOutput]]) -> None:
         queue_.put_nowait(output)
 
 
+def _settle(future: asyncio.Future[int], result: int | None, error: str | None) -> None:
+    if future.done():
+        return
+    if error is not None or result is None:
+        future.set_exception(ValueError(error or "no result"))
+    else:
+        future.set_result(result)
+
+
 StreamT = TypeVar("StreamT", bound=StreamQueue)
 
 
@@ -57,6 +67,8 @@ class StreamingEngine(Generic[StreamT]):
     def __init__(self) -> None:
         self._streams: dict[str, StreamT] = {}
         self._ids = itertools.count()
+        self._calls: dict[int, asyncio.Future[int]] = {}
+        self._call_ids = itertools.count()
 
     def _new_stream(self) -> StreamT:
         raise NotImplementedError
@@ -94,6 +106,24 @@ class StreamingEngine(Generic[StreamT]):
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
+    async def exchange(self, method: str, *args: Any) -> int:
+        """One of the engine's KV exchange calls (Engine.exchange_call), run on the engine's side between steps.
+        Raises ValueError when the engine refuses it."""
+        call_id = next(self._call_ids)
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        self._send(("call", call_id, method, args))
+        try:
+            return await future
+        finally:
+            self._calls.pop(call_id, None)
+
+    def _answer(self, call_id: int, result: int | None, error: str | None) -> None:
+        """From the engine's side: the result of an exchange call, onto the caller's loop."""
+        future = self._calls.get(call_id)
+        if future is not None:
+            future.get_loop().call_soon_threadsafe(_settle, future, result, error)
+
     @staticmethod
     def _hand_over(ready: Sequence[tuple[StreamQueue, RequestOutput]]) -> None:
         """From the engine's side: a step's outputs with one wake-up per consumer loop, not one per request (each
@@ -130,6 +160,15 @@ class AsyncEngine(StreamingEngine[StreamQueue]):
     @property
     def tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
+
+    @property
+    def kv_layout(self) -> KVLayout | None:
+        """What another replica's KV blocks must match to be imported here; None when blocks cannot move."""
+        return self.engine.kv_exchange.layout if self.engine.kv_exchange is not None else None
+
+    @property
+    def kv_transfer_refusal(self) -> str | None:
+        return self.engine.kv_transfer_refusal
 
     @property
     def max_model_len(self) -> int:
@@ -187,6 +226,9 @@ class AsyncEngine(StreamingEngine[StreamQueue]):
             if command[0] == "abort":
                 self.engine.abort(command[1])
                 continue
+            if command[0] == "call":
+                self._answer(command[1], *run_exchange_call(self.engine, command[2], command[3]))
+                continue
             _, request_id, prompt, params, priority = command
             try:
                 self.engine.add_request(prompt, params, request_id=request_id, priority=priority)
@@ -194,3 +236,11 @@ class AsyncEngine(StreamingEngine[StreamQueue]):
                 stream = self._streams.get(request_id)
                 if stream is not None:
                     stream.put(e if isinstance(e, ValueError) else ValueError(str(e)))
+
+
+def run_exchange_call(engine: Engine, method: str, args: tuple[Any, ...]) -> tuple[int | None, str | None]:
+    """(result, None), or (None, why) when the engine refused the call."""
+    try:
+        return engine.exchange_call(method, args), None
+    except Exception as e:  # a bad chunk or a refusal: the caller's error, the engine goes on
+        return None, f"{e.__class__.__name__}: {e}" if not isinstance(e, ValueError) else str(e)

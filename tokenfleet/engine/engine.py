@@ -8,10 +8,12 @@ import logging
 import operator
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tokenfleet.engine.config import EngineConfig, SpeculativeConfig
 from tokenfleet.engine.kv_blocks import KVBlockManager
+from tokenfleet.engine.kv_exchange import KVExchange, kv_layout_of
+from tokenfleet.engine.kv_transfer import KVChunk
 from tokenfleet.engine.limits import EngineLimits
 from tokenfleet.engine.outputs import RequestOutput as RequestOutput  # re-exported: they were defined here
 from tokenfleet.engine.outputs import RequestTiming
@@ -99,6 +101,12 @@ class Engine:
         self.rejection = RejectionSampler(self.sampler)
         self.speculator = self._speculator(config.speculative_config, draft)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self.kv_transfer_refusal = self._kv_transfer_refusal(config, draft)
+        self.kv_exchange = (
+            KVExchange(self.blocks, self.runner, kv_layout_of(config.model, self.runner, config.block_size))
+            if self.kv_transfer_refusal is None
+            else None
+        )
         self.tracked: dict[str, _Tracked] = {}
         self.stats = StepStats()
         self._ids = itertools.count()
@@ -134,6 +142,18 @@ class Engine:
         log.info("speculative decoding: %s, k=%d", config.method, config.num_speculative_tokens)
         return Speculator(config, proposer, self.max_model_len)
 
+    def _kv_transfer_refusal(self, config: EngineConfig, draft: DraftModel | None) -> str | None:
+        """Why this engine's KV blocks cannot move to or from another replica's (None: they can)."""
+        if self.tensor_parallel is not None:
+            return "a tensor-parallel engine holds its KV cache split over its ranks"
+        if draft is not None:
+            return "speculative decoding with a draft model keeps a second KV cache in the same blocks"
+        if self.runner.kv_scales is not None:
+            return "an FP8 KV cache's scales are calibrated by each replica on its own"
+        if not config.enable_prefix_caching:
+            return "imported blocks are prefix-cache entries: prefix caching is off"
+        return None
+
     @staticmethod
     def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
         window = model_config.max_model_len
@@ -158,6 +178,8 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self._prompt_tokens(prompt)
         self.validate(token_ids, params)
+        if params.kv_export and self.kv_exchange is None:
+            raise ValueError(f"this engine cannot export KV blocks: {self.kv_transfer_refusal}")
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=self.max_model_len - len(token_ids))
         req = Request(request_id, token_ids, params, priority=priority)
@@ -196,6 +218,17 @@ class Engine:
         self.scheduler.finish(tracked.req, "abort")
         return True
 
+    def exchange_call(self, method: str, args: tuple[Any, ...]) -> int:
+        """A KV exchange call from the server's side, run between steps: "cached_prefix" (token ids) or
+        "import_chunk" (token ids, KVChunk); see engine/kv_exchange.py."""
+        if self.kv_exchange is None:
+            raise ValueError(f"this engine cannot take KV blocks from another replica: {self.kv_transfer_refusal}")
+        if method == "cached_prefix":
+            return self.kv_exchange.cached_prefix(*args)
+        if method == "import_chunk":
+            return self.kv_exchange.import_chunk(*args)
+        raise ValueError(f"unknown KV exchange call {method!r}")
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
@@ -228,7 +261,10 @@ class Engine:
         # requests that ended give their blocks back
         taken = [self._take(chunk, pick) for chunk, pick in zip(sampled, picks)]
         self.scheduler.update(out)
+        exports = self._kv_exports(out) if self.kv_exchange is not None else {}
         outputs = [self._output_of(t) for t in taken]
+        if exports:
+            outputs = self._with_exports(outputs, exports)
         stats.steps += 1
         stats.schedule_s += scheduled - started
         stats.propose_s += proposed - scheduled
@@ -236,6 +272,28 @@ class Engine:
         stats.forward_s += executed - proposed - self.runner.last_prepare_s
         stats.sample_s += sampled_at - executed
         stats.output_s += time.perf_counter() - sampled_at
+        return outputs
+
+    def _kv_exports(self, out: SchedulerOutput) -> dict[str, KVChunk]:
+        """The prompt blocks this step computed for requests that export them (before finished ones free theirs)."""
+        exchange, exports = self.kv_exchange, {}
+        for chunk in out.chunks:
+            req = chunk.req
+            if req.params.kv_export and exchange is not None and (kv := exchange.export(req)) is not None:
+                exports[req.request_id] = kv
+        return exports
+
+    def _with_exports(self, outputs: list[RequestOutput], exports: dict[str, KVChunk]) -> list[RequestOutput]:
+        """Each export on its request's output; a request that sampled nothing this step (a prefill chunk before
+        the last) gets an output with no token to carry it."""
+        for output in outputs:
+            output.kv_chunk = exports.pop(output.request_id, None)
+        for request_id, kv in exports.items():
+            tracked = self.tracked.get(request_id)
+            if tracked is not None:
+                output = self._output(tracked, [], "", [])
+                output.kv_chunk = kv
+                outputs.append(output)
         return outputs
 
     def _sample(

@@ -22,8 +22,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tokenfleet.engine.async_engine import Command, StreamingEngine, StreamQueue
+from tokenfleet.engine.async_engine import Command, StreamingEngine, StreamQueue, run_exchange_call
 from tokenfleet.engine.config import EngineConfig
+from tokenfleet.engine.kv_transfer import KVChunk, KVLayout
 from tokenfleet.engine.limits import EngineLimits
 from tokenfleet.engine.outputs import RequestOutput, RequestTiming
 from tokenfleet.engine.request import SamplingParams, TokenLogprob
@@ -64,6 +65,7 @@ class _Delta:
     engine_s: float
     prompt_token_ids: list[int] | None  # on a request's first output only
     timing: RequestTiming | None
+    kv_chunk: KVChunk | None
 
 
 @dataclass
@@ -98,6 +100,7 @@ class _Stream(StreamQueue):
             d.new_logprobs,
             d.engine_s,
             d.timing,
+            d.kv_chunk,
         )
 
 
@@ -116,7 +119,7 @@ class EngineProcess(StreamingEngine[_Stream]):
         )
         self._process.start()
         child.close()
-        self.limits, self._state = self._wait_ready(start_timeout_s)
+        self.limits, self._state, self.kv_layout, self.kv_transfer_refusal = self._wait_ready(start_timeout_s)
         # the same compile as in the engine process, so that what only the tokenizer can refuse is refused here,
         # before a response starts; compiled once per spec, like there
         eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer is not None else set()
@@ -126,7 +129,7 @@ class EngineProcess(StreamingEngine[_Stream]):
         self._reader = threading.Thread(target=self._read, name="tokenfleet-engine-reader", daemon=True)
         self._reader.start()
 
-    def _wait_ready(self, timeout_s: float) -> tuple[EngineLimits, EngineState]:
+    def _wait_ready(self, timeout_s: float) -> tuple[EngineLimits, EngineState, KVLayout | None, str | None]:
         if not self._conn.poll(timeout_s):
             self._process.kill()
             raise RuntimeError(f"the engine process did not start within {timeout_s:.0f} s")
@@ -138,7 +141,7 @@ class EngineProcess(StreamingEngine[_Stream]):
             ) from None
         if kind == "failed":
             raise RuntimeError(f"the engine failed to start: {payload[0]}")
-        return payload[0], payload[1]
+        return payload[0], payload[1], payload[2], payload[3]
 
     @property
     def max_model_len(self) -> int:
@@ -188,6 +191,8 @@ class EngineProcess(StreamingEngine[_Stream]):
                 self._deliver(payload[0])
             elif kind == "state":
                 self._state = payload[0]
+            elif kind == "answer":
+                self._answer(*payload)
             elif kind == "rejected":
                 self._put(payload[0], ValueError(payload[1]))
             elif kind == "crashed":
@@ -215,6 +220,8 @@ class EngineProcess(StreamingEngine[_Stream]):
             log.error("the engine process exited (%s); failing %d request(s)", self.dead, len(self._streams))
         for request_id in list(self._streams):
             self._put(request_id, RuntimeError(f"the engine process exited ({self.dead})"))
+        for call_id in list(self._calls):
+            self._answer(call_id, None, f"the engine process exited ({self.dead})")
 
 
 # --- the engine process ---------------------------------------------------------------------------------------
@@ -242,7 +249,8 @@ def _engine_main(config: EngineConfig, conn: Connection, threads: int) -> None:
     if engine.tensor_parallel is not None:  # a rank that dies takes this process down: the server reports it down
         engine.tensor_parallel.on_lost = lambda reason: os._exit(3)
     log.info("engine process %d: %d PyTorch thread(s)", os.getpid(), threads)
-    conn.send(("ready", engine.limits, EngineState.of(engine)))
+    layout = engine.kv_exchange.layout if engine.kv_exchange is not None else None
+    conn.send(("ready", engine.limits, EngineState.of(engine), layout, engine.kv_transfer_refusal))
     _EngineLoop(engine, conn).run()
 
 
@@ -273,6 +281,8 @@ class _EngineLoop:
             if command[0] == "abort":
                 self.engine.abort(command[1])
                 self.started.discard(command[1])
+            elif command[0] == "call":
+                self.conn.send(("answer", command[1], *run_exchange_call(self.engine, command[2], command[3])))
             else:
                 self._add(*command[1:])
         if applied and not self.engine.has_unfinished():
@@ -329,6 +339,7 @@ class _EngineLoop:
             out.engine_s,
             out.prompt_token_ids if first else None,
             out.timing,
+            out.kv_chunk,
         )
 
 

@@ -117,6 +117,34 @@ class KVBlockManager:
                 cached[key] = block_id
         req.num_cached_blocks = num_full
 
+    # --- prefixes computed elsewhere (disaggregated prefill: engine/kv_exchange.py) --------------------------
+
+    def cached_prefix_length(self, keys: Iterable[bytes]) -> int:
+        """How many leading blocks of a prompt with these keys the prefix cache holds."""
+        count, cached = 0, self.cached
+        for key in keys:
+            if key not in cached:
+                break
+            count += 1
+        return count
+
+    def adopt(self, key: bytes) -> int | None:
+        """A block to hold a prefix block computed elsewhere under `key`: taken like a fresh one, registered in the
+        prefix cache and left free (no request owns it), the most recently used of the cached blocks. None when a
+        block holds that prefix already, or no block is free. The caller fills the block before the next step."""
+        if not self.enable_prefix_caching or not self.num_free_blocks:
+            return None
+        held = self.cached.get(key)
+        if held is not None:
+            if held in self.free_cached:
+                self.free_cached.move_to_end(held)  # used again: evicted last
+            return None
+        block_id = self._take_free()
+        self.keys[block_id] = key
+        self.cached[key] = block_id
+        self._release([block_id])
+        return block_id
+
     # --- allocation ---------------------------------------------------------------------------------------
 
     def admission_cost(self, req: Request, hits: list[int], num_new_tokens: int) -> int:

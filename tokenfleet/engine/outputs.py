@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenfleet.engine.kv_transfer import KVChunk
 from tokenfleet.engine.request import TokenLogprob
 
 
@@ -40,6 +41,7 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     engine_s: float = 0.0  # the request's share of engine step time so far
     timing: RequestTiming | None = None  # on the output with the request's first token (and a failure's) only
+    kv_chunk: KVChunk | None = None  # kv_export: prompt blocks this step computed (an output may carry no token)
 
 
 @dataclass

@@ -89,6 +89,7 @@ class SamplingParams:
     structured_output: StructuredOutput | None = None  # the output must match it (vLLM's structured_outputs)
     skip_special_tokens: bool = True  # False: special tokens are in the text (a tool-call format that starts with one)
     speculative_decoding: bool = True  # False: this request never gets speculative proposals (a per-request opt-out)
+    kv_export: bool = False  # True: its prompt's KV blocks come out with its outputs (a prefill replica's request)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -182,6 +183,7 @@ class Request:
     # its timeline in the engine: when a step first took it (time.monotonic()), and how many steps prefilled it
     scheduled_time: float | None = None
     num_prefill_chunks: int = 0
+    num_exported_blocks: int = 0  # kv_export: leading prompt blocks whose KV went out already
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -120,6 +120,27 @@ class ModelRunner:
             log.info("swap space: allocated for %d blocks", self.num_host_blocks)
         return self._host_cache
 
+    def read_blocks(self, block_ids: list[int]) -> bytes:
+        """The KV of these blocks as bytes in the cache's layout (engine/kv_transfer.py: KVChunk)."""
+        index = torch.tensor(block_ids, device=self.device)
+        return self._raw_cache()[:, :, :, index].contiguous().cpu().numpy().tobytes()
+
+    def write_blocks(self, data: bytes, num_blocks: int, pairs: list[tuple[int, int]]) -> None:
+        """Copies blocks of `data` (num_blocks blocks in the cache's layout) into this cache: (position in data,
+        block id) pairs."""
+        raw = self._raw_cache()
+        layers, kv, heads, _, block_bytes = raw.shape
+        if len(data) != layers * kv * heads * num_blocks * block_bytes:
+            raise ValueError(f"{len(data)} bytes do not make {num_blocks} KV blocks of this cache")
+        source = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(layers, kv, heads, num_blocks, block_bytes)
+        positions = torch.tensor([p for p, _ in pairs])
+        blocks = torch.tensor([b for _, b in pairs], device=self.device)
+        raw[:, :, :, blocks] = source[:, :, :, positions].to(self.device)
+
+    def _raw_cache(self) -> torch.Tensor:
+        """The cache viewed as bytes: [layers, 2, KV heads, blocks, bytes per block row]."""
+        return self.kv_cache.view(torch.uint8)
+
     def use_decode_kernel(self, op: DecodeKernel | None) -> None:
         """Decode attention through a fused paged op (the CPU kernel), or the PyTorch gather path when None. A
         choice made here stands: a kernel still being built is not switched to any more."""

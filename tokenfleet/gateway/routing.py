@@ -150,11 +150,16 @@ class _ReplicaFailed(Exception):
         self.error, self.reason = error, reason
 
 
-async def _attempt(request: RoutedRequest, replica: Replica, attempt: int) -> AsyncIterator[Chunk]:
+async def _attempt(request: RoutedRequest, replica: Replica, attempt: int) -> AsyncIterator[Piece]:
     from_scratch = attempt == 1 or not request.started()
     kind, body = (request.kind, request.body) if from_scratch else ("text", _continuation(request))
     if replica.kind == "tokenfleet" and request.choices == 1 and request.max_retries > 0:
         body = {**body, "return_token_ids": True}  # what a continuation on another replica starts from
+    prompt_ids = request.prompt_ids if from_scratch else body["prompt"]
+    if request.pools.wants_remote_prefill(replica, len(prompt_ids), request.route.matched_blocks):
+        failure = await _prefill_remotely(request, replica, prompt_ids)
+        if failure is not None:
+            yield Retrying(attempt, failure)
     pools, started, ttft, outcome = request.pools, time.monotonic(), None, "cancelled"
     span = _attempt_span(request, replica, attempt)
     if span.get_span_context().is_valid:  # the replica's own spans continue this one (traceparent)
@@ -187,6 +192,41 @@ async def _attempt(request: RoutedRequest, replica: Replica, attempt: int) -> As
         pools.finished(replica, outcome, ttft)
         span.set_attribute("tokenfleet.outcome", outcome or "ok")
         span.end()
+
+
+async def _prefill_remotely(request: RoutedRequest, decode: Replica, prompt_ids: list[int]) -> str | None:
+    """A disaggregated pool: a prefill replica computes the prompt and sends its KV to the decode replica, which
+    then finds it in its prefix cache. When that fails, the decode replica computes the prompt itself: the client
+    sees a `retrying` event (reason prefill_failed) and the response goes on. Returns the failure's reason."""
+    pools = request.pools
+    prefill = pools.choose_prefill(prompt_ids, decode)
+    if prefill is None:
+        return None  # no prefill replica is up: the decode replica prefills, as a colocated one would
+    prefill_upstream = getattr(prefill.upstream, "prefill", None)
+    if prefill_upstream is None:
+        return None
+    pools.started(prefill)
+    started, outcome = time.monotonic(), "cancelled"  # the client left while it prefilled: no one's failure
+    try:
+        account = await prefill_upstream(prompt_ids, decode.url)
+        outcome = None
+    except APIError as e:
+        outcome = "5xx" if e.code == "upstream_error" else None  # a refusal (layouts differ) is no health failure
+        log.warning(
+            "prefill on %s for %s failed (%s); %s prefills itself", prefill.name, decode.name, e.message, decode.name
+        )
+        return "prefill_failed"
+    finally:
+        pools.finished(prefill, outcome)  # no TTFT: a prefill's time is not comparable with a stream's first token
+    log.info(
+        "prefill on %s for %s: %s blocks sent, %s held there already, in %.1f ms",
+        prefill.name,
+        decode.name,
+        account.get("blocks_sent"),
+        account.get("blocks_skipped"),
+        (time.monotonic() - started) * 1000,
+    )
+    return None
 
 
 def _attempt_span(request: RoutedRequest, replica: Replica, attempt: int) -> trace.Span:

@@ -92,6 +92,24 @@ class HttpUpstream:
     async def load(self) -> LoadReport:
         return await fetch_load(self.client, self.base_url, self.kind, timeout_s=2.0)
 
+    async def prefill(self, token_ids: list[int], decode_url: str) -> dict:
+        """Asks this prefill replica to compute the prompt's KV and send it to the decode replica at `decode_url`
+        (replica/disagg.py); returns its account of the transfer."""
+        try:
+            response = await self.client.post(
+                "/internal/kv/prefill", json={"prompt": token_ids, "peer": decode_url}, headers=_request_headers()
+            )
+        except httpx.HTTPError as e:
+            raise APIError(
+                502,
+                f"prefill replica {self.name} failed: {e.__class__.__name__}",
+                "server_error",
+                code="upstream_error",
+            ) from e
+        if response.status_code != 200:
+            raise _replica_error(response.status_code, response.content)
+        return response.json()
+
     async def aclose(self) -> None:
         await self.client.aclose()
         if self.streams is not None:

@@ -25,6 +25,14 @@ from tokenfleet.engine.async_engine import AsyncEngine
 from tokenfleet.engine.structured import GrammarError
 from tokenfleet.logs import REQUEST_ID, valid_request_id
 from tokenfleet.replica.choices import ChoiceStream
+from tokenfleet.replica.disagg import (
+    PREFILL_ONLY,
+    KVRole,
+    KVTransferCollector,
+    PrefillService,
+    attach_receiver,
+    transfer_answer,
+)
 from tokenfleet.replica.metrics import ReplicaMetrics
 
 log = logging.getLogger(__name__)
@@ -171,12 +179,15 @@ class ReplicaService:
         )
 
 
-def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
+def create_app(engine: AsyncEngine, model_name: str, role: KVRole | None = None) -> FastAPI:
     service = ReplicaService(engine, model_name)
     app = FastAPI(title="tokenfleet replica", docs_url=None, redoc_url=None)
     app.state.service = service
+    role = role or KVRole()
+    app.state.role = role
 
     install_error_handler(app)
+    add_disaggregation(app, engine, model_name, role, service)
 
     @app.get("/health")
     async def health() -> Response:
@@ -221,6 +232,50 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
         return await reply(request, service, stream, renderer, req)
 
     return app
+
+
+def add_disaggregation(
+    app: FastAPI, engine: AsyncEngine, model_name: str, role: KVRole, service: ReplicaService
+) -> None:
+    """The prefill side's POST /internal/kv/prefill and the decode side's GET /internal/kv/info (replica/disagg.py)."""
+    prefill = PrefillService(engine) if role.prefills and engine.kv_layout is not None else None
+    receiver = attach_receiver(app, role, engine) if role.receives else None
+    service.metrics.registry.register(KVTransferCollector(model_name, prefill, receiver))
+
+    @app.get("/internal/kv/info")
+    async def kv_info() -> dict:
+        if receiver is None:
+            raise bad_request(f"this replica takes no KV transfers (role {role.role})", code="not_a_decode_replica")
+        return {"role": role.role, "address": app.state.kv_address, "layout": engine.kv_layout.to_json()}
+
+    @app.post("/internal/kv/prefill")
+    async def kv_prefill(request: Request) -> dict:
+        follow_caller(request)
+        if prefill is None:
+            raise bad_request(
+                f"this replica does not prefill for others (role {role.role})", code="not_a_prefill_replica"
+            )
+        body = await read_json(request)
+        token_ids, peer = (
+            body.get("prompt") if isinstance(body, dict) else None,
+            body.get("peer") if isinstance(body, dict) else None,
+        )
+        if not isinstance(peer, str) or not isinstance(token_ids, list) or not all(type(t) is int for t in token_ids):
+            raise bad_request("a prefill names `prompt` (token ids) and `peer` (the decode replica's URL)")
+        try:
+            engine.validate(token_ids, PREFILL_ONLY)
+        except ValueError as e:
+            raise bad_request(str(e), param="prompt") from e
+        started = time.monotonic()
+        stats = await prefill.prefill(token_ids, peer, REQUEST_ID.get())
+        log.info(
+            "prefilled %d tokens for %s: %d blocks sent, %d held there already",
+            len(token_ids),
+            peer,
+            stats.blocks_sent,
+            stats.blocks_skipped,
+        )
+        return transfer_answer(stats, started)
 
 
 def follow_caller(request: Request) -> None:

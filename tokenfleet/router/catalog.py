@@ -12,6 +12,7 @@ from typing import Any
 from tokenfleet.api.errors import APIError, not_found
 
 REPLICA_KINDS = ("tokenfleet", "openai")  # ours, or any OpenAI-compatible server (vLLM, SGLang, ...)
+REPLICA_ROLES = ("both", "prefill", "decode")
 
 
 @dataclass
@@ -22,10 +23,15 @@ class PoolSpec:
     replicas: list[str] = field(default_factory=list)  # base URLs; more join through the Redis registry
     kind: str = "tokenfleet"
     latency_ms: float = 0.0
+    role: str = "both"  # the configured replicas' role: both | prefill | decode (disaggregated prefill/decode)
 
     def __post_init__(self) -> None:
         if self.kind not in REPLICA_KINDS:
             raise ValueError(f"pool {self.name}: kind must be one of {', '.join(REPLICA_KINDS)}, got {self.kind!r}")
+        if self.role not in REPLICA_ROLES:
+            raise ValueError(f"pool {self.name}: role must be one of {', '.join(REPLICA_ROLES)}, got {self.role!r}")
+        if self.role != "both" and self.kind != "tokenfleet":
+            raise ValueError(f"pool {self.name}: only tokenfleet replicas can be prefill or decode replicas")
         if self.latency_ms < 0:
             raise ValueError(f"pool {self.name}: latency_ms must be >= 0")
         for url in self.replicas:

@@ -27,6 +27,7 @@ class Replica:
     upstream: Upstream
     state: ReplicaState
     draining: bool = False  # takes no new requests; in-flight ones finish
+    role: str = "both"  # both | prefill (computes prompts' KV for decode replicas only) | decode
 
 
 @dataclass
@@ -57,18 +58,28 @@ class ModelPools:
     policy: RoutingPolicy
     slots_per_replica: int
     replicas: dict[str, Replica] = field(default_factory=dict)
+    block_size: int = 16
+    remote_prefill_min_tokens: int = 64
     latency_ms: dict[str, float] = field(default_factory=dict)  # pool -> latency from this gateway
 
     def __post_init__(self) -> None:
         self.latency_ms = {p.name: p.latency_ms for p in self.spec.pools}
 
-    def add(self, name: str, url: str, pool: str, kind: str, make_upstream: Callable[[str, str], Upstream]) -> None:
+    def add(
+        self,
+        name: str,
+        url: str,
+        pool: str,
+        kind: str,
+        make_upstream: Callable[[str, str], Upstream],
+        role: str = "both",
+    ) -> None:
         if name in self.replicas:
             return
-        self.replicas[name] = Replica(name, url, pool, kind, make_upstream(url, name), ReplicaState(name))
+        self.replicas[name] = Replica(name, url, pool, kind, make_upstream(url, name), ReplicaState(name), role=role)
         self.latency_ms.setdefault(pool, 0.0)
         self.health.add(name, url, pool)
-        log.info("replica %s (%s) joined %s/%s", name, url, self.spec.name, pool)
+        log.info("replica %s (%s) joined %s/%s as %s", name, url, self.spec.name, pool, role)
 
     def remove(self, name: str) -> Replica | None:
         replica = self.replicas.pop(name, None)
@@ -124,10 +135,36 @@ class ModelPools:
                 return replica, replace(choice, reason=f"panic:{choice.reason}") if panic else choice
         raise NoReplicaAvailable(f"no healthy replica of {self.spec.name}")  # unreachable: last resort chooses
 
+    def wants_remote_prefill(self, decode: Replica, num_prompt_tokens: int, matched_blocks: int) -> bool:
+        """Whether a request going to this decode replica should have its prompt computed by a prefill replica:
+        enough of it is not cached there yet (the router's view of that replica's prefix cache)."""
+        uncached = num_prompt_tokens - matched_blocks * self.block_size
+        return decode.role == "decode" and uncached >= self.remote_prefill_min_tokens
+
+    def choose_prefill(self, token_ids: Sequence[int], decode: Replica, exclude: Sequence[str] = ()) -> Replica | None:
+        """A prefill replica for a request going to a decode replica: in the decode replica's pool if one is
+        healthy there, else the nearest; None when no healthy prefill replica is left (the decode replica then
+        computes the prompt itself)."""
+        usable = [
+            r
+            for r in self.replicas.values()
+            if r.role == "prefill" and not r.draining and r.name not in exclude and self.health.available(r.name)
+        ]
+        if not usable:
+            return None
+        same_pool = [r for r in usable if r.pool == decode.pool]
+        nearest = same_pool or [r for r in usable if r.pool == self._pools_nearest_first(usable)[0]]
+        choice = self.policy.choose([r.state for r in nearest], token_ids, None)
+        self.health.begin_request(choice.replica)
+        return self.replicas[choice.replica]
+
     def _usable(self, exclude: Sequence[str]) -> tuple[list[Replica], bool]:
-        """The healthy replicas not draining nor excluded; when there is none, the ejected ones (Envoy's panic
-        mode: an ejection is a guess, failing for sure is worse), with True."""
-        candidates = [r for r in self.replicas.values() if not r.draining and r.name not in exclude]
+        """The healthy replicas that generate (not prefill-only ones), not draining nor excluded; when there is
+        none, the ejected ones (Envoy's panic mode: an ejection is a guess, failing for sure is worse), with
+        True."""
+        candidates = [
+            r for r in self.replicas.values() if not r.draining and r.name not in exclude and r.role != "prefill"
+        ]
         healthy = [r for r in candidates if self.health.available(r.name)]
         if healthy:
             return healthy, False
@@ -172,6 +209,7 @@ class ModelPools:
                 "url": r.url,
                 "pool": r.pool,
                 "kind": r.kind,
+                "role": r.role,
                 "draining": r.draining,
                 "in_flight": r.state.in_flight,
                 "load": round(r.state.load(), 3),

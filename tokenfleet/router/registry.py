@@ -51,6 +51,7 @@ class ReplicaRecord:
     kind: str = "tokenfleet"  # or "openai" for an external OpenAI-compatible server
     draining: bool = False
     started_at: float = 0.0
+    role: str = "both"  # both | prefill | decode (disaggregated prefill/decode)
 
     def to_json(self) -> str:
         # sorted keys: the scripts compare stored JSON byte for byte

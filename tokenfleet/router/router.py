@@ -34,7 +34,14 @@ class Router:
         self.health = HealthTracker(settings.health)
         self.make_upstream = make_upstream  # (url, name, kind) -> Upstream
         self.models = {
-            name: ModelPools(spec, self.health, self._policy(), slots_per_replica)
+            name: ModelPools(
+                spec,
+                self.health,
+                self._policy(),
+                slots_per_replica,
+                block_size=settings.block_size,
+                remote_prefill_min_tokens=settings.remote_prefill_min_tokens,
+            )
             for name, spec in catalog.models.items()
         }
         for canary in settings.canary:
@@ -52,7 +59,7 @@ class Router:
         for pools in self.models.values():
             for pool in pools.spec.pools:
                 for url in pool.replicas:
-                    pools.add(url, url, pool.name, pool.kind, self._upstream_maker(pool.kind))
+                    pools.add(url, url, pool.name, pool.kind, self._upstream_maker(pool.kind), pool.role)
 
     def _upstream_maker(self, kind: str) -> Callable[[str, str], Upstream]:
         """make_upstream with the replica kind bound: (url, name) -> Upstream."""
@@ -135,7 +142,7 @@ class Router:
             if pools is None:
                 log.warning("replica %s serves %s, which this fleet does not know; ignored", record.url, record.model)
                 continue
-            pools.add(record.name, record.url, record.pool, record.kind, self._upstream_maker(record.kind))
+            pools.add(record.name, record.url, record.pool, record.kind, self._upstream_maker(record.kind), record.role)
             pools.set_draining(record.name, record.draining)
 
     def _pools_of(self, model: str) -> ModelPools | None:

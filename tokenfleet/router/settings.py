@@ -52,6 +52,9 @@ class RoutingSettings:
     load_interval_s: float = 1.0
     max_retries: int = 2  # a replica dying mid-response: the request continues on another, this many times
     replica_timeout_s: float = 30.0  # longest wait for a replica's next byte: a hung replica fails the attempt
+    # disaggregated pools: a prompt with fewer tokens than this beyond what the decode replica has cached (as far
+    # as this router knows) is prefilled by the decode replica itself: moving its KV would cost more than it saves
+    remote_prefill_min_tokens: int = 64
     register_prefix: str = "tokenfleet:replicas:"  # the Redis replica registry (when the fleet has redis_url)
     health: HealthSettings = field(default_factory=HealthSettings)
     rules: dict[str, list[RoutingRule]] = field(default_factory=dict)  # routing alias -> its rules

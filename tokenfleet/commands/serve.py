@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import socket
@@ -121,6 +122,7 @@ def build_gateway(
         make_upstream,
     )
     router.add_configured_replicas()
+    check_disaggregated_pools(router)
     free_model = config.overload.free_model
     if free_model and router.catalog.lookup(free_model) is None:
         raise ValueError(f"overload.free_model {free_model!r} is not a configured model")
@@ -158,6 +160,26 @@ def build_gateway(
         add_metering(gateway, config, db)
         gateway.closers.append(db.close)
     return gateway, store
+
+
+def check_disaggregated_pools(router: Router) -> None:
+    """A model's prefill and decode replicas must share one KV layout (checkpoint, block size, KV dtype), or no block
+    could move between them: checked at start for the configured ones that answer (a replica joining later, or one
+    not up yet, is checked at its first transfer, which it refuses with the same reason)."""
+    for model, pools in router.models.items():
+        split = [r for r in pools.replicas.values() if r.role != "both"]
+        if {r.role for r in split} != {"prefill", "decode"}:
+            continue
+        layouts: dict[str, str] = {}
+        for replica in split:
+            try:
+                info = httpx.get(f"{replica.url}/internal/kv/info", timeout=2.0).json()
+                layouts[f"{replica.role} {replica.name}"] = json.dumps(info["layout"], sort_keys=True)
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+                log.warning("cannot check the KV layout of %s (%s) now: %s", replica.name, replica.role, e)
+        if len(set(layouts.values())) > 1:
+            described = "; ".join(f"{name}: {layout}" for name, layout in layouts.items())
+            raise ValueError(f"model {model}: its prefill and decode replicas' KV layouts differ ({described})")
 
 
 def usage_recorder(config: FleetConfig, db: Database, buffer: ResumeBuffer) -> UsageRecorder:

@@ -77,6 +77,8 @@ class PrefillService:
             try:
                 response = await self.http.get(url.rstrip("/") + "/internal/kv/info")
                 info = response.json()
+                if not info.get("address"):
+                    raise ValueError(f"it takes no KV transfers (role {info.get('role')})")
                 known = (str(info["address"]), KVLayout.from_json(info["layout"]))
             except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
                 raise _failed(f"decode replica {url} gave no KV address: {e.__class__.__name__}: {e}") from e

@@ -244,9 +244,12 @@ def add_disaggregation(
 
     @app.get("/internal/kv/info")
     async def kv_info() -> dict:
-        if receiver is None:
-            raise bad_request(f"this replica takes no KV transfers (role {role.role})", code="not_a_decode_replica")
-        return {"role": role.role, "address": app.state.kv_address, "layout": engine.kv_layout.to_json()}
+        """This replica's KV layout (what a peer's blocks must match) and, on a decode replica, where it takes them."""
+        layout = engine.kv_layout
+        if layout is None:
+            raise bad_request(f"KV blocks cannot move here: {engine.kv_transfer_refusal}", code="kv_transfer_refused")
+        address = app.state.kv_address if receiver is not None else None
+        return {"role": role.role, "address": address, "layout": layout.to_json()}
 
     @app.post("/internal/kv/prefill")
     async def kv_prefill(request: Request) -> dict:

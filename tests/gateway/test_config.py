@@ -83,6 +83,7 @@ def test_the_multi_model_example_loads_and_its_catalog_resolves():
     assert catalog.resolve("auto", RequestFacts(10, mode="fast")).model.name == "chat-small-2026-10-01"
     assert catalog.resolve("chat-large-2026-06-01", RequestFacts(10)).deprecation is not None
     assert config.served_models()[2].pools[0].kind == "openai"
+    assert [p.role for p in config.served_models()[3].pools] == ["prefill", "decode"]
 
 
 def test_secrets_come_from_the_environment_over_the_file(monkeypatch):

@@ -6,7 +6,8 @@
 # 1. install: tokenfleet from this checkout on the python3 that holds CUDA PyTorch (PYTHONPATH, nothing fetched);
 #    wheels of missing packages, if carried in .whl/, are installed into /tmp/site first;
 # 2. stop here, saying so, where PyTorch sees no CUDA device (exit 0: nothing to check);
-# 3. the CUDA tests of the levers: FP8 KV cache, quantized checkpoints, speculative decoding
+# 3. the CUDA tests of the levers: FP8 KV cache, quantized checkpoints, speculative decoding, the NCCL collectives
+#    of tensor parallelism in a one-rank group, P/D (a prefill and a decode engine on one GPU moving KV blocks)
 #    (tests/engine/test_levers_gpu.py; no conftest: the store fixtures need packages the GPU image lacks);
 # 4. a tiny throughput number: the demo medium checkpoint in bf16 on the GPU, KV cache bf16 vs fp8_e4m3, offline
 #    greedy decoding of 256 requests (512-token prompts, 128 tokens each).

@@ -117,3 +117,51 @@ def test_speculative_decoding_gives_the_same_greedy_tokens(llama, method):
     stats = speculative.engine.speculator.stats
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
     release(speculative)
+
+
+def test_nccl_collectives_of_a_one_rank_group():
+    """The NCCL code path of tensor parallelism (engine/tensor_parallel.py), with the one GPU a check machine has:
+    a one-rank group's all-reduce leaves the tensor as it is, its gather returns it."""
+    from torch.distributed import TCPStore
+
+    from tokenfleet.engine.tensor_parallel import ProcessGroupCollectives
+
+    store = TCPStore("127.0.0.1", 0, 1, is_master=True)
+    collectives = ProcessGroupCollectives(store, 0, 1, torch.device("cuda"))
+    tensor = torch.arange(12, dtype=torch.bfloat16, device="cuda").reshape(3, 4)
+    expected = tensor.clone()
+    collectives.all_reduce(tensor)
+    torch.cuda.synchronize()
+    assert torch.equal(tensor, expected)
+    gathered = collectives.gather_to_first(tensor)
+    assert gathered is not None and torch.equal(gathered[0], expected)
+
+
+def test_disaggregated_prefill_and_decode_between_two_engines_on_one_gpu(tmp_path):
+    """Two engines on the GPU as a prefill and a decode replica hold them: the prefill one exports each chunk's
+    blocks from device memory, the decode one writes them into its cache and decodes exactly as alone."""
+    from tokenfleet.engine.config import EngineConfig
+    from tokenfleet.engine.engine import Engine
+
+    path = make_checkpoint(tmp_path / "llama", "llama", dtype=torch.bfloat16)
+    options = dict(ON_CUDA, dtype="bfloat16", max_num_batched_tokens=64)
+    prefill, decode = Engine(EngineConfig.from_options(str(path), **options)), None
+    token_ids = prompts(1, seed=3)[0] * 8
+    prefill.add_request(token_ids, SamplingParams(max_tokens=1, temperature=0.0, kv_export=True), request_id="p")
+    chunks = []
+    while prefill.has_unfinished():
+        chunks += [o.kv_chunk for o in prefill.step() if o.kv_chunk is not None]
+    assert len(chunks) >= 2
+    decode = Engine(EngineConfig.from_options(str(path), **options))
+    for chunk in chunks:
+        decode.kv_exchange.import_chunk(token_ids, chunk)
+    decode.add_request(token_ids, greedy(16), request_id="d")
+    out = None
+    while decode.has_unfinished():
+        out = next((o for o in decode.step() if o.finished), out)
+    assert out is not None and out.num_cached_tokens == chunks[-1].end_block * 16
+    prefill.add_request(token_ids, greedy(16), request_id="alone")  # its own prefix cache: the same blocks
+    alone = None
+    while prefill.has_unfinished():
+        alone = next((o for o in prefill.step() if o.finished), alone)
+    assert alone is not None and out.token_ids == alone.token_ids

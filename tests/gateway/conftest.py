@@ -64,6 +64,22 @@ class Platform:
         return {"Authorization": f"Bearer {self.keys[who]}"}
 
 
+def new_api_key(base: str, org: str = "acme", user: str = "ann", tier: str = "paid") -> str:
+    """An API key made through a running gateway's admin API."""
+    response = httpx.post(
+        f"{base}/admin/v1/keys",
+        json={"org": org, "user": user, "tier": tier},
+        headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+    )
+    assert response.status_code == 201, response.text
+    return response.json()["key"]
+
+
+def gateway_process(config_path: Path, port: int, log_path: Path):
+    """`tokenfleet gateway --config` as a context manager, once it answers /health."""
+    return running_process(["gateway", "--config", str(config_path)], f"http://127.0.0.1:{port}/health", log_path)
+
+
 def replica_args(model_dir, port: int) -> list[str]:
     return [
         "replica",

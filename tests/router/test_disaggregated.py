@@ -22,10 +22,10 @@ import openai
 import pytest
 import yaml
 
-from tests.gateway.conftest import ADMIN_KEY, MODEL, replica_args
+from tests.gateway.conftest import ADMIN_KEY, MODEL, gateway_process, new_api_key, replica_args
 from tests.gateway.test_serve import parse_events
 from tests.router.test_fleet_routing import wait_for
-from tests.servers import free_port, metric, running_process
+from tests.servers import free_port, metric
 
 TOPICS = ["the sea", "an old mill", "a red fox", "the clockmaker", "a harbour in winter"]
 
@@ -85,19 +85,9 @@ def disaggregated_fleet(model_dir: Path, logs: Path, roles: dict[str, list[str]]
             for name in names:
                 extra = ("--max-num-batched-tokens", str(prefill_chunk)) if role == "prefill" else ()
                 procs[name] = stack.enter_context(replica(model_dir, ports[name], role, logs, *extra))
-        stack.enter_context(
-            running_process(
-                ["gateway", "--config", str(logs / "fleet.yaml")],
-                f"http://127.0.0.1:{gateway_port}/health",
-                logs / "gateway.log",
-            )
-        )
+        stack.enter_context(gateway_process(logs / "fleet.yaml", gateway_port, logs / "gateway.log"))
         base = f"http://127.0.0.1:{gateway_port}"
-        key = httpx.post(
-            f"{base}/admin/v1/keys",
-            json={"org": "acme", "user": "ann", "tier": "paid"},
-            headers={"Authorization": f"Bearer {ADMIN_KEY}"},
-        ).json()["key"]
+        key = new_api_key(base, "acme", "ann")
         yield {"base": base, "key": key, "urls": urls, "procs": procs, "db": logs / "fleet.db"}
 
 

@@ -12,7 +12,7 @@ import httpx
 import openai
 import yaml
 
-from tests.gateway.conftest import ADMIN_KEY, MODEL, replica_args
+from tests.gateway.conftest import ADMIN_KEY, MODEL, gateway_process, new_api_key, replica_args
 from tests.router.test_fleet_routing import wait_for
 from tests.servers import free_port, running_process
 
@@ -32,18 +32,10 @@ def gateway_before_its_late_replica(model_dir, tmp_path, health: dict):
     (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(config))
     with (
         running_process(replica_args(model_dir, ports[0]), f"{urls[0]}/health", tmp_path / "first.log") as first,
-        running_process(
-            ["gateway", "--config", str(tmp_path / "fleet.yaml")],
-            f"http://127.0.0.1:{gateway_port}/health",
-            tmp_path / "gateway.log",
-        ),
+        gateway_process(tmp_path / "fleet.yaml", gateway_port, tmp_path / "gateway.log"),
     ):
         base = f"http://127.0.0.1:{gateway_port}"
-        key = httpx.post(
-            f"{base}/admin/v1/keys",
-            json={"org": "acme", "user": "ann", "tier": "paid"},
-            headers={"Authorization": f"Bearer {ADMIN_KEY}"},
-        ).json()["key"]
+        key = new_api_key(base, "acme", "ann")
         wait_for(lambda: health_of(base, urls[1]) == "ejected", 30)  # the late replica is down: ejected
         yield {"base": base, "key": key, "first": first, "late_port": ports[1], "late_url": urls[1]}
 

@@ -15,10 +15,10 @@ import httpx
 import pytest
 import yaml
 
-from tests.gateway.conftest import ADMIN_KEY, MODEL, replica_args
+from tests.gateway.conftest import ADMIN_KEY, MODEL, gateway_process, new_api_key, replica_args
 from tests.gateway.test_serve import parse_events
 from tests.router.test_fleet_routing import wait_for
-from tests.servers import free_port, running_process
+from tests.servers import free_port
 
 STREAMS = 8
 MAX_TOKENS = 400
@@ -54,17 +54,9 @@ def two_replicas(demo_model_dir, tmp_path):
     try:
         for proc, url in zip(procs, urls):
             wait_for(lambda url=url: httpx.get(f"{url}/health", timeout=1).status_code == 200, 120, proc)
-        with running_process(
-            ["gateway", "--config", str(tmp_path / "fleet.yaml")],
-            f"http://127.0.0.1:{gateway_port}/health",
-            tmp_path / "gateway.log",
-        ):
+        with gateway_process(tmp_path / "fleet.yaml", gateway_port, tmp_path / "gateway.log"):
             base = f"http://127.0.0.1:{gateway_port}"
-            key = httpx.post(
-                f"{base}/admin/v1/keys",
-                json={"org": "acme", "user": "ann", "tier": "paid"},
-                headers={"Authorization": f"Bearer {ADMIN_KEY}"},
-            ).json()["key"]
+            key = new_api_key(base, "acme", "ann")
             yield {"base": base, "key": key, "urls": urls, "procs": procs}
     finally:
         for proc in procs:

@@ -18,7 +18,7 @@ import openai
 import pytest
 import yaml
 
-from tests.gateway.conftest import ADMIN_KEY, replica_args
+from tests.gateway.conftest import ADMIN_KEY, gateway_process, new_api_key, replica_args
 from tests.gateway.test_serve import parse_events
 from tests.servers import delete_redis_keys, free_port, metric, running_process
 
@@ -76,17 +76,9 @@ def fleet(demo_model_dir, tmp_path_factory):
         wait_for(
             lambda port=port: httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200, 120, proc
         )
-    with running_process(
-        ["gateway", "--config", str(logs / "fleet.yaml")],
-        f"http://127.0.0.1:{gateway_port}/health",
-        logs / "gateway.log",
-    ):
+    with gateway_process(logs / "fleet.yaml", gateway_port, logs / "gateway.log"):
         base = f"http://127.0.0.1:{gateway_port}"
-        key = httpx.post(
-            f"{base}/admin/v1/keys",
-            json={"org": "acme", "user": "ann", "tier": "paid"},
-            headers={"Authorization": f"Bearer {ADMIN_KEY}"},
-        ).json()["key"]
+        key = new_api_key(base, "acme", "ann")
         yield {
             "base": base,
             "key": key,
@@ -321,18 +313,10 @@ def test_an_unreachable_replica_is_ejected_and_the_gateway_keeps_serving(demo_mo
             f"http://127.0.0.1:{live}/health",
             tmp_path / "live.log",
         ),
-        running_process(
-            ["gateway", "--config", str(tmp_path / "fleet.yaml")],
-            f"http://127.0.0.1:{gateway_port}/health",
-            tmp_path / "gateway.log",
-        ),
+        gateway_process(tmp_path / "fleet.yaml", gateway_port, tmp_path / "gateway.log"),
     ):
         base = f"http://127.0.0.1:{gateway_port}"
-        key = httpx.post(
-            f"{base}/admin/v1/keys",
-            json={"org": "a", "user": "b", "tier": "paid"},
-            headers={"Authorization": f"Bearer {ADMIN_KEY}"},
-        ).json()["key"]
+        key = new_api_key(base, "a", "b")
         client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
         for _ in range(6):
             assert client.chat.completions.create(**sdk(V1, 2)).usage.completion_tokens == 2
@@ -370,17 +354,9 @@ def test_replicas_join_and_leave_a_running_fleet_through_redis(demo_model_dir, t
         "near",
     ]
     try:
-        with running_process(
-            ["gateway", "--config", str(tmp_path / "fleet.yaml")],
-            f"http://127.0.0.1:{gateway_port}/health",
-            tmp_path / "gateway.log",
-        ):
+        with gateway_process(tmp_path / "fleet.yaml", gateway_port, tmp_path / "gateway.log"):
             base = f"http://127.0.0.1:{gateway_port}"
-            key = httpx.post(
-                f"{base}/admin/v1/keys",
-                json={"org": "a", "user": "b", "tier": "paid"},
-                headers={"Authorization": f"Bearer {ADMIN_KEY}"},
-            ).json()["key"]
+            key = new_api_key(base, "a", "b")
             client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
             with pytest.raises(openai.APIStatusError) as empty:
                 client.chat.completions.create(**sdk(V1, 2))

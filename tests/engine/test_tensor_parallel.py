@@ -17,6 +17,7 @@ import safetensors
 import torch
 
 from tests.checkpoints import ARCHITECTURES, SMALL_KV, make_checkpoint
+from tests.servers import descendants
 from tokenfleet import LLM, SamplingParams
 from tokenfleet.engine import tensor_parallel
 from tokenfleet.engine.config import EngineConfig, add_engine_arguments, engine_config_from_args
@@ -334,24 +335,6 @@ def test_cancel_mid_batch_leaves_the_others_as_size_1(demo_model_dir):
         close(split)
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid`, read from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, stack = [], [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
-
-
 def test_a_replica_whose_rank_dies_reports_itself_unhealthy(demo_model_dir, tmp_path):
     import httpx
 
@@ -365,7 +348,7 @@ def test_a_replica_whose_rank_dies_reports_itself_unhealthy(demo_model_dir, tmp_
         assert httpx.get(f"{base}/health").status_code == 200
         workers = [
             p
-            for p in _descendants(proc.pid)
+            for p in descendants(proc.pid)
             if b"tokenfleet.engine.tp_worker" in Path(f"/proc/{p}/cmdline").read_bytes()
         ]
         assert len(workers) == 1, "one worker process besides rank 0"

@@ -13,13 +13,22 @@ Norms (and q/k norms) are replicated. Each rank reads only its slices from the s
 
 The collectives go through a `Collectives` object (a process group the engine made), so that this module needs no
 global torch.distributed state and several groups can live in one process.
+
+Opt-in timing (bench/tensor_parallel.py): with TOKENFLEET_TP_COLLECTIVE_LOG set to a folder, every rank records
+each of its collectives (kind, start on the monotonic clock, seconds, payload bytes) in `COLLECTIVE_TIMINGS` and
+writes them to that folder as rank<N>-<pid>.json when its process exits.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import json
+import os
 import re
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -33,6 +42,7 @@ from tokenfleet.model.llama import LlamaForCausalLM
 _COLUMN_PARALLEL = re.compile(r".*\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 _ROW_PARALLEL = re.compile(r".*\.(o_proj|down_proj)\.weight$")
 _VOCAB_PARALLEL = re.compile(r"^(model\.embed_tokens|lm_head)\.weight$")
+COLLECTIVE_LOG_ENV = "TOKENFLEET_TP_COLLECTIVE_LOG"
 
 
 class Collectives(Protocol):
@@ -46,6 +56,47 @@ class Collectives(Protocol):
 
     def gather_to_first(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's `tensor` (same shape everywhere), on rank 0; None on the others."""
+
+
+@dataclass
+class CollectiveTimings:
+    """This process's collectives, each as (kind, start on time.monotonic(), seconds, payload bytes)."""
+
+    folder: Path
+    rank: int = -1
+    records: list[tuple[str, float, float, int]] = field(default_factory=list)
+
+    def write(self) -> None:
+        path = self.folder / f"rank{self.rank}-{os.getpid()}.json"
+        path.write_text(json.dumps({"rank": self.rank, "pid": os.getpid(), "records": self.records}))
+
+
+def _collective_timings() -> CollectiveTimings | None:
+    folder = os.environ.get(COLLECTIVE_LOG_ENV)
+    if not folder:
+        return None
+    timings = CollectiveTimings(Path(folder))
+    atexit.register(timings.write)
+    return timings
+
+
+COLLECTIVE_TIMINGS = _collective_timings()  # None unless TOKENFLEET_TP_COLLECTIVE_LOG is set
+
+
+def all_reduce(group: Collectives, tensor: torch.Tensor) -> None:
+    """group.all_reduce(tensor), timed when COLLECTIVE_TIMINGS is on."""
+    if COLLECTIVE_TIMINGS is None:
+        group.all_reduce(tensor)
+        return
+    start = time.monotonic()
+    group.all_reduce(tensor)
+    _record("all_reduce", start, group.rank, tensor)
+
+
+def _record(kind: str, start: float, rank: int, tensor: torch.Tensor) -> None:
+    assert COLLECTIVE_TIMINGS is not None
+    COLLECTIVE_TIMINGS.rank = rank
+    COLLECTIVE_TIMINGS.records.append((kind, start, time.monotonic() - start, tensor.numel() * tensor.element_size()))
 
 
 @dataclass(frozen=True)
@@ -106,7 +157,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
-        self.group.all_reduce(y)
+        all_reduce(self.group, y)
         return y if self.bias is None else y + self.bias
 
 
@@ -123,7 +174,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (input_ids < self.start) | (input_ids >= self.end)
         local = (input_ids - self.start).masked_fill_(outside, 0)
         x = F.embedding(local, self.weight).masked_fill_(outside.unsqueeze(-1), 0.0)
-        self.group.all_reduce(x)
+        all_reduce(self.group, x)
         return x
 
 
@@ -135,7 +186,10 @@ class LogitsGather:
         self.vocab_size, self.group = vocab_size, group
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        parts = self.group.gather_to_first(logits.contiguous())
+        start, logits = time.monotonic(), logits.contiguous()
+        parts = self.group.gather_to_first(logits)
+        if COLLECTIVE_TIMINGS is not None:
+            _record("gather", start, self.group.rank, logits)
         if parts is None:
             return logits
         return torch.cat(parts, dim=-1)[:, : self.vocab_size]

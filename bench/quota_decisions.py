@@ -10,8 +10,10 @@ Workload: --tenants organisations with 10 users each; every pair picks a random 
 the full charge path runs), then reconciles with a random 10-100 % of it. --concurrency such pairs run at once in
 one asyncio process (one RedisQuota, a pool of --pool connections). Reported per run: pairs/s (one decision and
 its settlement = two script calls), p50/p99 of the reserve and of the reconcile call, the server time per script
-call (Redis INFO commandstats, evalsha), the CPU time this process spent per pair (the benchmark's own loop
-included: what caps one gateway core, and the figure least disturbed by other work on the machine), script calls
+call (Redis INFO commandstats, evalsha), redis-server's CPU time per pair (from /proc: what caps one Redis core)
+and the commands its scripts ran per pair (commandstats: each redis.call() costs server time, whatever it does;
+both count every client of that Redis, so they read true only while the benchmark is its only client), the CPU time
+this process spent per pair (the benchmark's own loop included: what caps one gateway core), script calls
 per round trip to Redis (RedisQuota batches the calls of one event-loop tick), and "other CPU": machine CPU time
 not used by this process or by redis-server during the window, as a share of all cores (other work on a shared
 machine; above ~0.1, rerun).
@@ -62,9 +64,9 @@ class Window:
     def __init__(self, redis_pid: int | None) -> None:
         self.redis_pid = redis_pid
 
-    def _ticks(self) -> tuple[int, int]:
-        mine = _tree_ticks(os.getpid()) + (_tree_ticks(self.redis_pid) if self.redis_pid else 0)
-        return _machine_busy_ticks(), mine
+    def _ticks(self) -> tuple[int, int, int]:
+        server = _tree_ticks(self.redis_pid) if self.redis_pid else 0
+        return _machine_busy_ticks(), _tree_ticks(os.getpid()) + server, server
 
     def __enter__(self) -> Window:
         self.t0, self.ticks0, self.cpu0 = time.perf_counter(), self._ticks(), time.process_time()
@@ -73,8 +75,9 @@ class Window:
     def __exit__(self, *exc: object) -> None:
         self.wall = time.perf_counter() - self.t0
         self.cpu = time.process_time() - self.cpu0
-        machine, mine = (b - a for a, b in zip(self.ticks0, self._ticks()))
+        machine, mine, server = (b - a for a, b in zip(self.ticks0, self._ticks()))
         self.other_cpu = (machine - mine) / os.sysconf("SC_CLK_TCK") / (self.wall * os.cpu_count())
+        self.server_cpu = server / os.sysconf("SC_CLK_TCK")  # redis-server's CPU seconds (all its clients')
 
 
 async def pairs(quota, tenants: int, concurrency: int, seconds: float, seed: int) -> dict:
@@ -128,6 +131,14 @@ def evalsha_stats(client: redis.Redis) -> tuple[int, int]:
     return int(stats.get("calls", 0)), int(stats.get("usec", 0))
 
 
+def script_commands(client: redis.Redis) -> int:
+    """Commands Redis has run but for script calls themselves (and INFO): the redis.call()s of the scripts, while
+    nothing else uses this Redis."""
+    stats = client.info("commandstats")
+    skip = ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_info")
+    return sum(int(v.get("calls", 0)) for k, v in stats.items() if k not in skip)
+
+
 def measure(
     kind: str,
     args: argparse.Namespace,
@@ -152,16 +163,21 @@ def measure(
         return result
 
     calls0, usec0 = evalsha_stats(sync)
+    commands0 = script_commands(sync)
     with Window(redis_pid) as window:
         result = asyncio.run(go())
     calls1, usec1 = evalsha_stats(sync)
+    commands1 = script_commands(sync)
+    pairs_done = max(1, result["decisions"])
     result.update(
         kind=kind,
         concurrency=concurrency,
         wall=window.wall,
-        cpu_us=window.cpu / max(1, result["decisions"]) * 1e6,
+        cpu_us=window.cpu / pairs_done * 1e6,
         other_cpu=window.other_cpu,
         server_us=(usec1 - usec0) / max(1, calls1 - calls0) if kind != "memory" else None,
+        server_cpu_us=window.server_cpu / pairs_done * 1e6 if kind == "redis" else None,
+        commands=(commands1 - commands0) / pairs_done if kind == "redis" else None,
     )
     return result
 
@@ -180,6 +196,8 @@ def summarize(runs: list[dict]) -> dict:
         "reconcile_p99": med(percentile(r["reconcile_ms"], 0.99) for r in runs) if runs[0]["reconcile_ms"] else None,
         "server_us": med(r["server_us"] for r in runs) if runs[0]["server_us"] is not None else None,
         "cpu_us": med(r["cpu_us"] for r in runs),
+        "server_cpu_us": med(r["server_cpu_us"] for r in runs) if runs[0]["server_cpu_us"] is not None else None,
+        "commands": med(r["commands"] for r in runs) if runs[0]["commands"] is not None else None,
         "per_trip": med(r["per_trip"] for r in runs) if "per_trip" in runs[0] else None,
         "other_cpu": [round(r["other_cpu"], 2) for r in runs],
     }
@@ -206,16 +224,17 @@ def fmt(value: float | None, spec: str) -> str:
 def report(rows: list[dict]) -> None:
     print(
         "| backend | in flight | pairs/s (decision + reconcile) | reserve p50 / p99 ms | reconcile p50 / p99 ms "
-        "| Redis time per script call | CPU per pair (this process) | calls per round trip | refused "
-        "| other CPU per run |"
+        "| Redis time per script call | Redis CPU per pair | Redis commands per pair | CPU per pair (this process) "
+        "| calls per round trip | refused | other CPU per run |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for s in rows:
         label = "redis-py EVALSHA `return 1` (calls/s)" if s["kind"] == "redis-py" else s["kind"]
         print(
             f"| {label} | {s['concurrency']} | {s['per_s']:.0f} | {fmt(s['reserve_p50'], '.2f')} / "
             f"{fmt(s['reserve_p99'], '.2f')} | {fmt(s['reconcile_p50'], '.2f')} / {fmt(s['reconcile_p99'], '.2f')} "
-            f"| {fmt(s['server_us'], '.1f')} us | {s['cpu_us']:.0f} us | {fmt(s['per_trip'], '.1f')} "
+            f"| {fmt(s['server_us'], '.1f')} us | {fmt(s['server_cpu_us'], '.0f')} us | {fmt(s['commands'], '.1f')} "
+            f"| {s['cpu_us']:.0f} us | {fmt(s['per_trip'], '.1f')} "
             f"| {s['refused']:.1%} | {s['other_cpu']} |"
         )
 

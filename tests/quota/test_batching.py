@@ -1,6 +1,7 @@
 """Batched round trips: the quota's script calls made within one event-loop tick reach Redis in one write on one
-connection, and each caller still gets its own answer with the semantics of a call sent alone. Writes are counted
-by a connection class that wraps redis-py's; the coalescing logic itself is tested on the batcher alone."""
+connection (up to MAX_BATCH; more go out as several writes at once), and each caller still gets its own answer with
+the semantics of a call sent alone. Writes are counted by a connection class that wraps redis-py's; the coalescing
+logic itself is tested on the batcher alone."""
 
 from __future__ import annotations
 
@@ -8,17 +9,24 @@ import asyncio
 import uuid
 
 import pytest
+import redis
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from tests.quota.helpers import REDIS_URL, org, run, user
 from tokenfleet.quota import QuotaStoreError, RedisQuota
 from tokenfleet.quota.batcher import TickBatcher
-from tokenfleet.quota.redis_client import Script
+from tokenfleet.quota.redis import RECONCILE, RESERVE
+from tokenfleet.quota.redis_client import MAX_BATCH, Script
 
 
 class CountingConnection(aioredis.Connection):
     writes: list[int] = []  # script calls per write, over every connection of the test
+    made: list[CountingConnection] = []
+
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        CountingConnection.made.append(self)
 
     async def send_packed_command(self, command, check_health: bool = True) -> None:
         data = command if isinstance(command, bytes) else b"".join(command)
@@ -29,7 +37,13 @@ class CountingConnection(aioredis.Connection):
 
 
 def counted_quota(prefix: str, **options) -> RedisQuota:
-    CountingConnection.writes = []
+    """A RedisQuota whose writes are counted, its scripts known to Redis already (a first call of a script Redis has
+    not seen costs a second write: test_one_failing_script_does_not_fail_the_others_in_its_write)."""
+    sync = redis.Redis.from_url(REDIS_URL)
+    for script in (RESERVE, RECONCILE):
+        sync.script_load(script.source)
+    sync.close()
+    CountingConnection.writes, CountingConnection.made = [], []
     pool = aioredis.BlockingConnectionPool.from_url(
         REDIS_URL, max_connections=16, timeout=None, connection_class=CountingConnection
     )
@@ -41,8 +55,8 @@ def test_concurrent_reserves_share_one_write_and_keep_their_own_answers(prefix):
         quota = counted_quota(prefix)
         try:
             scopes = [org(concurrent_requests=7, tokens_per_minute=1_000_000), user(tokens_per_minute=1_000_000)]
-            decisions = await asyncio.gather(*(quota.reserve(f"r{i}", scopes, 10 + i) for i in range(64)))
-            assert CountingConnection.writes == [64]  # one round trip for 64 decisions
+            decisions = await asyncio.gather(*(quota.reserve(f"r{i}", scopes, 10 + i) for i in range(MAX_BATCH)))
+            assert CountingConnection.writes == [MAX_BATCH]  # one round trip for 32 decisions
             admitted = [d for d in decisions if d.allowed]
             assert len(admitted) == 7  # each script is still atomic on its own: exactly the limit
             assert [d.reservation.request_id for d in admitted] == [f"r{i}" for i in range(7)]  # in arrival order
@@ -59,6 +73,23 @@ def test_concurrent_reserves_share_one_write_and_keep_their_own_answers(prefix):
     run(main())
 
 
+def test_a_tick_beyond_one_write_goes_out_as_several_writes_at_once(prefix):
+    async def main():
+        quota = counted_quota(prefix)
+        try:
+            scopes = [org(concurrent_requests=100), user(tokens_per_minute=1_000_000)]
+            decisions = await asyncio.gather(*(quota.reserve(f"r{i}", scopes, 1) for i in range(2 * MAX_BATCH + 1)))
+            assert CountingConnection.writes == [MAX_BATCH, MAX_BATCH, 1]
+            assert len(CountingConnection.made) == 3  # in flight together, one connection each
+            assert all(d.allowed for d in decisions)
+            assert [d.reservation.request_id for d in decisions] == [f"r{i}" for i in range(2 * MAX_BATCH + 1)]
+            assert (await quota.remaining(scopes[0])).concurrent == 100 - 2 * MAX_BATCH - 1
+        finally:
+            await quota.close()
+
+    run(main())
+
+
 def test_calls_of_different_ticks_go_in_different_writes(prefix):
     async def main():
         quota = counted_quota(prefix)
@@ -68,6 +99,22 @@ def test_calls_of_different_ticks_go_in_different_writes(prefix):
             assert CountingConnection.writes == [1, 1, 1]  # a lone call waits for no one
         finally:
             await quota.close()
+
+    run(main())
+
+
+def test_batches_keep_their_connections_and_close_them_with_the_quota(prefix):
+    async def main():
+        quota = counted_quota(prefix)
+        try:
+            for i in range(5):
+                assert (await quota.reserve(f"r{i}", [org(tokens_per_minute=1000)], 10)).allowed
+            await asyncio.gather(*(quota.reserve(f"b{i}", [org(tokens_per_minute=1000)], 1) for i in range(300)))
+            assert len(CountingConnection.made) == 10  # one batch at a time, then 9 x 32 + 12 at once
+            assert all(c.is_connected for c in CountingConnection.made)
+        finally:
+            await quota.close()
+        assert not any(c.is_connected for c in CountingConnection.made)
 
     run(main())
 

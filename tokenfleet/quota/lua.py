@@ -6,13 +6,25 @@ Per scope two keys: a hash (r, t: the requests and tokens bucket levels; a: the 
 written, which is the time itself unless the tenant is sliced, see slices.py; day, used: the daily budget of the
 current UTC day) and a zset of concurrency leases (request id -> lease expiry). A day's counter matters only on
 that day, so one (day, used) pair is all the daily budget needs; a reconcile for a past day leaves it alone.
-A hash expires once it would read the same as an absent one (buckets full again, the day's usage over).
+Leases past their expiry (requests never reconciled) are pruned when the count reaches the limit, not on every
+reserve: a count under the limit with them is under it without them, so a zset never holds more than the limit.
+A hash expires once it would read the same as an absent one (buckets full again, the day's usage over), or up to
+EXPIRY_SLACK_MS later: it remembers the expiry it was last given (x, with xa: the `a` written with it) and is given a
+new one, with that much slack, only when it needs a later one. Most writes then cost no PEXPIRE. A TTL never falls
+short of what the hash needs: a hash without x, or whose xa is not its `a` (the last write was made by a script that
+does not keep x, e.g. an older gateway during a rolling upgrade), is given a new expiry on its next write.
 
 Limits travel as four arguments per scope, rpm tpm conc tpd (-1: unlimited): four numbers cost the script a
-fraction of what parsing one string of them did. The reply is one string of numbers ("-": unlimited), printed with
-17 digits so Python reads back exactly the doubles the script decided on and explains a refusal from the same
-values; a value written or replied more than once is formatted once. (One string instead of an array: the reply
-parser costs more per element than the script does.)
+fraction of what parsing one string of them did. Bucket levels and times are replied as strings of 17 digits, so
+Python reads back exactly the doubles the script decided on and explains a refusal from the same values; whole
+numbers (day, live, used) as integers, which cost no formatting; unlimited as nil. A value written or replied more
+than once is formatted once in Lua; a value written once goes to redis.call as a number (Redis formats it with the
+same 17 digits, in C).
+
+Every redis.call costs server time whatever it does, so the scripts make as few as the semantics allow: a reserve
+of two scopes with per-minute and concurrency limits makes 11 (TIME, then per scope HMGET ZCARD HSET ZADD PEXPIRE),
+a reconcile 8 (SET NX, TIME, then per scope HMGET HSET ZREM); 19 a pair instead of 25 saved 5-10 % of the server
+time (docs/benchmarks/quota.md): most of it is the script call itself and the Lua around the commands.
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ from __future__ import annotations
 # Calling TIME before writing needs effects replication: the default since Redis 5.
 PRELUDE = r"""
 local DAY = 86400
+local EXPIRY_SLACK_MS = 60000
 local function clock()
   local t = redis.call('TIME')
   return tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -27,6 +40,15 @@ end
 local function num(x)
   if x == '-' then return x end
   return string.format('%.17g', x)
+end
+-- reply elements ('-': unlimited, nil in the reply): a level as 17 digits, a whole number as an integer
+local function level(x)
+  if x == '-' then return false end
+  return string.format('%.17g', x)
+end
+local function count(x)
+  if x == '-' then return false end
+  return x
 end
 -- one scope's limits: the four arguments from ARGV[first]
 local function limits_at(first)
@@ -37,7 +59,7 @@ local function share_of(key, now, s0, write)
   if key == nil then return 1, now end
   local h = redis.call('HMGET', key, 's', 'acc', 'since')
   if not h[1] then
-    if write then redis.call('HSET', key, 's', num(s0), 'acc', '0', 'since', num(now)) end
+    if write then redis.call('HSET', key, 's', s0, 'acc', 0, 'since', now) end
     return s0, 0
   end
   local s = tonumber(h[1])
@@ -47,9 +69,10 @@ local function refill(stored, limit, s, elapsed)
   if not stored then return limit * s end  -- absent: full
   return math.min(limit * s, tonumber(stored) + elapsed * limit / 60)
 end
--- {r, t, used}: the buckets refilled to now and today's usage ('-' where unlimited)
+-- {r, t, used}: the buckets refilled to now and today's usage ('-' where unlimited); and the hash as read (the
+-- expiry fields are for write_scope)
 local function read_scope(key, lim, s, a, day)
-  local h = redis.call('HMGET', key, 'r', 't', 'a', 'day', 'used')
+  local h = redis.call('HMGET', key, 'r', 't', 'a', 'day', 'used', 'x', 'xa')
   local elapsed = 0
   if h[3] then elapsed = math.max(0, a - tonumber(h[3])) end
   local st = {'-', '-', '-'}
@@ -59,15 +82,15 @@ local function read_scope(key, lim, s, a, day)
     st[3] = 0
     if tonumber(h[4]) == day then st[3] = tonumber(h[5]) end
   end
-  return st
+  return st, h
 end
--- a_text: num(a), formatted once per script call
-local function write_scope(key, lim, st, s, a_text, now, day)
-  local fields, idle = {'a', a_text}, 0
+-- h: the hash as read_scope read it; a_text: num(a), formatted once per script call
+local function write_scope(key, lim, st, s, a_text, now, day, h)
+  local fields, idle = {'a', a_text, 'xa', a_text}, 0
   for j = 1, 2 do
     if lim[j] > 0 then
       fields[#fields + 1] = (j == 1) and 'r' or 't'
-      fields[#fields + 1] = num(st[j])
+      fields[#fields + 1] = st[j]
       idle = math.max(idle, (lim[j] * s - st[j]) / (lim[j] / 60 * s))
     end
   end
@@ -76,14 +99,23 @@ local function write_scope(key, lim, st, s, a_text, now, day)
     fields[#fields + 1] = 'used'; fields[#fields + 1] = st[3]
     if st[3] > 0 then idle = math.max(idle, (day + 1) * DAY - now) end
   end
-  redis.call('HSET', key, unpack(fields))
-  redis.call('PEXPIRE', key, math.ceil((math.min(idle, 2 * DAY) + 60) * 1000))
+  local expiry = math.ceil((now + math.min(idle, 2 * DAY) + 60) * 1000)
+  if h[6] and h[7] == h[3] and tonumber(h[6]) >= expiry then
+    redis.call('HSET', key, unpack(fields))
+  else
+    expiry = expiry + EXPIRY_SLACK_MS
+    fields[#fields + 1] = 'x'; fields[#fields + 1] = expiry
+    redis.call('HSET', key, unpack(fields))
+    redis.call('PEXPIREAT', key, expiry)
+  end
 end
 """
 
 # KEYS: per scope its hash and its lease zset; then the share hash when sliced.
 # ARGV: request_id, tokens, lease_s, n_scopes, initial share (0: not sliced), then per scope rpm tpm conc tpd.
-# Returns "allowed now day share" then per scope "requests tokens live used" as seen before charging.
+# Returns [allowed, now, day, share] then per scope [requests, tokens, live, used] as seen before charging: allowed,
+# day, live and used as integers, the others as 17-digit strings, nil where unlimited. `live` may count leases past
+# their expiry while it is under the limit (see above); at or over it, it is exact.
 RESERVE = (
     PRELUDE
     + r"""
@@ -99,67 +131,78 @@ if share_key then
   redis.call('EXPIRE', share_key, 2 * DAY)
 end
 local now_text = num(now)
-local ok, lims, seen = true, {}, {}
+local ok, lims, seen, hashes = true, {}, {}, {}
 for i = 1, n do
   local lim = limits_at(2 + 4 * i)
-  local st = read_scope(KEYS[2 * i - 1], lim, s, a, day)
+  local st, h = read_scope(KEYS[2 * i - 1], lim, s, a, day)
   local live = '-'
   if lim[3] >= 0 then
-    redis.call('ZREMRANGEBYSCORE', KEYS[2 * i], '-inf', now_text)
+    -- leases past their expiry (requests never reconciled) are pruned only when they could make the difference: a
+    -- count that includes them and is under the limit is under it without them too
     live = redis.call('ZCARD', KEYS[2 * i])
-    if live >= lim[3] then ok = false end
+    if live >= lim[3] then
+      live = live - redis.call('ZREMRANGEBYSCORE', KEYS[2 * i], '-inf', now_text)
+      if live >= lim[3] then ok = false end
+    end
   end
   if lim[1] == 0 or (lim[1] > 0 and st[1] < 1) then ok = false end
   if lim[2] == 0 or (lim[2] > 0 and st[2] < tokens) then ok = false end
   if lim[4] == 0 or (lim[4] > 0 and st[3] + tokens > lim[4]) then ok = false end
-  lims[i], seen[i] = lim, {st[1], st[2], live, st[3]}
+  lims[i], seen[i], hashes[i] = lim, {st[1], st[2], live, st[3]}, h
 end
 if ok then
   local a_text = now_text
   if share_key then a_text = num(a) end
+  local lease_end, lease_ttl = nil, nil
   for i = 1, n do
     local lim, v = lims[i], seen[i]
     local st = {v[1], v[2], v[4]}
     if lim[1] > 0 then st[1] = v[1] - 1 end
     if lim[2] > 0 then st[2] = v[2] - tokens end
     if lim[4] > 0 then st[3] = v[4] + tokens end
-    if lim[1] > 0 or lim[2] > 0 or lim[4] > 0 then write_scope(KEYS[2 * i - 1], lim, st, s, a_text, now, day) end
+    if lim[1] > 0 or lim[2] > 0 or lim[4] > 0 then
+      write_scope(KEYS[2 * i - 1], lim, st, s, a_text, now, day, hashes[i])
+    end
     if lim[3] > 0 then
-      redis.call('ZADD', KEYS[2 * i], num(now + lease), request_id)
-      redis.call('PEXPIRE', KEYS[2 * i], math.ceil((lease + 60) * 1000))
+      lease_end = lease_end or num(now + lease)
+      lease_ttl = lease_ttl or math.ceil((lease + 60) * 1000)
+      redis.call('ZADD', KEYS[2 * i], lease_end, request_id)
+      redis.call('PEXPIRE', KEYS[2 * i], lease_ttl)
     end
   end
 end
 local out = {ok and 1 or 0, now_text, day, num(s)}
 for i = 1, n do
-  for j = 1, 4 do out[#out + 1] = num(seen[i][j]) end
+  local v = seen[i]
+  out[#out + 1] = level(v[1]); out[#out + 1] = level(v[2]); out[#out + 1] = count(v[3]); out[#out + 1] = count(v[4])
 end
-return table.concat(out, ' ')
+return out
 """
 )
 
-# KEYS: per scope its hash and its lease zset; then the request's "reconciled" marker; then the share hash when
-# sliced. ARGV: request_id, extra (used - reserved: < 0 refunds), day number charged, n_scopes, marker ttl s,
-# initial share, then per scope rpm tpm conc tpd. Returns 1, or 0 when this request was reconciled before.
+# KEYS: per scope its hash and its lease zset; then the share hash when sliced; then the request's "reconciled"
+# marker (last: the keys and arguments that change from call to call are next to each other, see CallTemplate).
+# ARGV: request_id, extra (used - reserved: < 0 refunds), day number charged, n_scopes, marker ttl s, initial share,
+# then per scope rpm tpm conc tpd. Returns 1, or 0 when this request was reconciled before.
 RECONCILE = (
     PRELUDE
     + r"""
 local n = tonumber(ARGV[4])
-if not redis.call('SET', KEYS[2 * n + 1], '1', 'NX', 'EX', ARGV[5]) then return 0 end
+if not redis.call('SET', KEYS[#KEYS], '1', 'NX', 'EX', ARGV[5]) then return 0 end
 local now, s0, extra, charged_day = clock(), tonumber(ARGV[6]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local day = math.floor(now / DAY)
 local share_key = nil
-if s0 > 0 then share_key = KEYS[2 * n + 2] end
+if s0 > 0 then share_key = KEYS[2 * n + 1] end
 local s, a = share_of(share_key, now, s0, true)
 local a_text = nil
 for i = 1, n do
   local lim = limits_at(3 + 4 * i)
   if lim[2] > 0 or (lim[4] > 0 and charged_day == day) then
-    local st = read_scope(KEYS[2 * i - 1], lim, s, a, day)
+    local st, h = read_scope(KEYS[2 * i - 1], lim, s, a, day)
     if lim[2] > 0 then st[2] = math.min(lim[2] * s, st[2] - extra) end
     if lim[4] > 0 and charged_day == day then st[3] = math.max(0, st[3] + extra) end
     a_text = a_text or num(a)
-    write_scope(KEYS[2 * i - 1], lim, st, s, a_text, now, day)
+    write_scope(KEYS[2 * i - 1], lim, st, s, a_text, now, day, h)
   end
   if lim[3] >= 0 then redis.call('ZREM', KEYS[2 * i], ARGV[1]) end
 end
@@ -182,13 +225,13 @@ local day = math.floor(now / DAY)
 local share_key = nil
 if s0 > 0 then share_key = KEYS[n + 2] end
 local s, a = share_of(share_key, now, s0, true)
-local grant, lims, states = most, {}, {}
+local grant, lims, states, hashes = most, {}, {}, {}
 for i = 1, n do
   local lim = limits_at(2 + 4 * i)
-  local st = read_scope(KEYS[i], lim, s, a, day)
+  local st, h = read_scope(KEYS[i], lim, s, a, day)
   if lim[2] >= 0 then grant = math.min(grant, math.floor(st[2])) end
   if lim[4] >= 0 and charged_day == day then grant = math.min(grant, lim[4] - st[3]) end
-  lims[i], states[i] = lim, st
+  lims[i], states[i], hashes[i] = lim, st, h
 end
 if grant < least then return 0 end
 local a_text = num(a)
@@ -197,7 +240,7 @@ for i = 1, n do
   local daily = lim[4] > 0 and charged_day == day
   if lim[2] > 0 then st[2] = st[2] - grant end
   if daily then st[3] = st[3] + grant end
-  if lim[2] > 0 or daily then write_scope(KEYS[i], lim, st, s, a_text, now, day) end
+  if lim[2] > 0 or daily then write_scope(KEYS[i], lim, st, s, a_text, now, day, hashes[i]) end
 end
 if share_key then
   redis.call('HINCRBY', share_key, 'demand', grant)

@@ -1,7 +1,8 @@
 """The quota in Redis, shared by every gateway of a fleet: each reserve and each reconcile is one Lua script call
 (lua.py), all keys of a request under the tenant's hash tag, every key expiring once idle. Hot tenants are split
-into slices (slices.py). Concurrent calls share round trips (redis_client.py); key names, slice plans and the
-limits' script arguments are made once per scope and kept, not made again on every call."""
+into slices (slices.py). Concurrent calls share round trips (redis_client.py); a scope set's key names, slice plan
+and limits are packed into its reserve and reconcile calls once (PreparedScopes) and kept, so a call packs only its
+request id and token counts."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -19,7 +20,7 @@ from tokenfleet.quota.base import Decision, Remaining, Reservation, Scope
 from tokenfleet.quota.checked import CheckedQuota
 from tokenfleet.quota.limits import Limits
 from tokenfleet.quota.rebalance import Rebalancer
-from tokenfleet.quota.redis_client import RedisStore, Script, connect, text
+from tokenfleet.quota.redis_client import CallTemplate, RedisStore, Script, connect, text
 from tokenfleet.quota.rules import ScopeState, day_name, day_number, decide
 from tokenfleet.quota.slices import SlicePlan
 
@@ -28,6 +29,18 @@ EXTEND = Script(lua.EXTEND)
 CLOSE_WAIT_S = 2.0  # how long close() waits for rebalance tasks to stop
 CACHED_SCOPES = 65_536  # scopes whose key names are kept (least recently used beyond that are made again)
 log = logging.getLogger("tokenfleet.quota")
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedScopes:
+    """One request's scope set in one slice as the scripts take it, made once and kept: the limits this slice
+    enforces, and its reserve and reconcile calls packed but for what changes per request."""
+
+    plan: SlicePlan
+    limits: tuple[Limits, ...]
+    reserve: CallTemplate  # takes request_id, tokens
+    reconcile: CallTemplate  # takes the reconciled marker's key, request_id, extra tokens, day number
+    marker_prefix: str  # the reconciled marker's key without the request id
 
 
 class RedisQuota(CheckedQuota):
@@ -69,6 +82,7 @@ class RedisQuota(CheckedQuota):
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._owns_client = owns_client
         self._plans: dict[tuple[str, int | None], SlicePlan] = {}
+        self._prepared: dict[tuple[tuple[Scope, ...], int | None], PreparedScopes] = {}
         self._scope_keys = functools.lru_cache(maxsize=CACHED_SCOPES)(self._make_scope_keys)
 
     @classmethod
@@ -104,6 +118,27 @@ class RedisQuota(CheckedQuota):
             return SlicePlan(tenant)
         return SlicePlan(tenant, index, count or index + 1, self.min_share)
 
+    def prepared(self, scopes: tuple[Scope, ...], index: int | None = None) -> PreparedScopes:
+        """`scopes` in slice `index` (None: this gateway's slice of the tenant) as the scripts take them."""
+        found = self._prepared.get((scopes, index))
+        if found is None:
+            if len(self._prepared) >= CACHED_SCOPES:
+                self._prepared.clear()
+            found = self._prepared[(scopes, index)] = self._prepare(scopes, self.plan(scopes[0].tenant, index))
+        return found
+
+    def _prepare(self, scopes: tuple[Scope, ...], plan: SlicePlan) -> PreparedScopes:
+        limits = tuple(plan.limits(s.limits) for s in scopes)
+        keys = [k for s in scopes for k in self._keys(plan, s)]
+        if plan.sliced:
+            keys.append(self.store.key(plan.tag, "share"))
+        n, s0, limit_args = len(scopes), _s0(plan), _limit_args(limits)
+        # RESERVE: request_id and tokens are its first arguments; RECONCILE: the marker is its last key, then
+        # request_id, extra and day its first arguments (lua.py)
+        reserve = CallTemplate.of(RESERVE, keys, 0, 2, [self._lease, n, s0, *limit_args])
+        reconcile = CallTemplate.of(RECONCILE, keys, 1, 3, [n, self.marker_ttl_s, s0, *limit_args])
+        return PreparedScopes(plan, limits, reserve, reconcile, self.store.key(plan.tag, "reconciled", ""))
+
     def _keys(self, plan: SlicePlan, scope: Scope) -> tuple[str, str]:
         """The scope's hash and lease zset in the plan's slice."""
         return self._scope_keys(plan.tag, scope.name)
@@ -112,41 +147,35 @@ class RedisQuota(CheckedQuota):
         return self.store.key(tag, name, "q"), self.store.key(tag, name, "leases")
 
     async def _reserve(self, request_id: str, scopes: tuple[Scope, ...], tokens: int) -> Decision:
-        plan = self.plan(scopes[0].tenant)
-        limits = [plan.limits(s.limits) for s in scopes]
-        keys = [k for s in scopes for k in self._keys(plan, s)]
+        prepared = self.prepared(scopes)
+        plan = prepared.plan
         if plan.sliced:
-            keys.append(self.store.key(plan.tag, "share"))
             self._start_rebalancer(plan)
-        args = [request_id, tokens, self._lease, len(scopes), _s0(plan), *_limit_args(limits)]
-        reply = text(await self.store.run(RESERVE, keys, args)).split(" ")
-        allowed, now, day, share = reply[0] == "1", float(reply[1]), int(reply[2]), float(reply[3])
-        states = []
-        for i, (scope, lim) in enumerate(zip(scopes, limits)):
-            rpm, tpm, live, used = map(_number, reply[4 + 4 * i : 8 + 4 * i])
-            states.append(ScopeState(scope, lim, rpm, tpm, _int(live), _int(used), share, plan.max_share))
+        reply = await self.store.run_call(prepared.reserve.call(request_id, tokens))
+        allowed, now, day, share = reply[0] == 1, float(reply[1]), int(reply[2]), float(reply[3])
+        states = [
+            ScopeState(
+                scope,
+                lim,
+                _level(reply[4 + 4 * i]),
+                _level(reply[5 + 4 * i]),
+                reply[6 + 4 * i],
+                reply[7 + 4 * i],
+                share,
+                plan.max_share,
+            )
+            for i, (scope, lim) in enumerate(zip(scopes, prepared.limits))
+        ]
         reservation = None
         if allowed:
             reservation = Reservation(request_id, scopes, tokens, day_name(day), self.name, plan.index)
         return decide(states, tokens, reservation, now, self.concurrency_retry_s)
 
     async def _reconcile(self, reservation: Reservation, used_tokens: int) -> None:
-        plan = self.plan(reservation.scopes[0].tenant, reservation.slice)
-        keys = [k for s in reservation.scopes for k in self._keys(plan, s)]
-        keys.append(self.store.key(plan.tag, "reconciled", reservation.request_id))
-        if plan.sliced:
-            keys.append(self.store.key(plan.tag, "share"))
-        day = day_number(reservation.day)
-        args = [
-            reservation.request_id,
-            used_tokens - reservation.tokens,
-            day,
-            len(reservation.scopes),
-            self.marker_ttl_s,
-            _s0(plan),
-            *_limit_args(plan.limits(s.limits) for s in reservation.scopes),
-        ]
-        await self.store.run(RECONCILE, keys, args)
+        prepared = self.prepared(reservation.scopes, reservation.slice)
+        request_id = reservation.request_id
+        extra, day = used_tokens - reservation.tokens, day_number(reservation.day)
+        await self.store.run_call(prepared.reconcile.call(prepared.marker_prefix + request_id, request_id, extra, day))
 
     async def _extend(self, reservation: Reservation, at_least: int, at_most: int) -> Reservation | None:
         plan = self.plan(reservation.scopes[0].tenant, reservation.slice)
@@ -229,8 +258,9 @@ def _number(value: str) -> float | None:
     return None if value == "-" else float(value)
 
 
-def _int(value: float | None) -> int | None:
-    return None if value is None else int(value)
+def _level(value: bytes | None) -> float | None:
+    """A level as RESERVE replies it: 17 digits, or nil where unlimited."""
+    return None if value is None else float(value)
 
 
 def _s0(plan: SlicePlan) -> str:

@@ -7,6 +7,8 @@ from the test suite:
     python bench/gateway_capacity.py --profile docs/benchmarks/gateway_profile.svg     # + a py-spy flame graph
     python bench/gateway_capacity.py --out notes.md   # also append the table to a file (the numbers and the reading
                                                       # of issue 25 are in docs/benchmarks/gateway_capacity.md)
+    python bench/gateway_capacity.py --interleave before=/tmp/before,this=this --latency-requests 600
+                                                      # added TTFT of two trees, lone requests in turn
 
 The upstream is a fake OpenAI-compatible server (`python bench/gateway_capacity.py upstream --port P`, a bare ASGI
 app on uvicorn with uvloop and httptools): every chat request streams --chunks content chunks at once, each with
@@ -34,6 +36,11 @@ other work, and wall-clock figures suffer first).
 Before/after comparisons: --tree DIR runs the gateways from another source tree (e.g. this one with some files as
 they were at a commit: `git archive`), --hide-hiredis runs them without hiredis (redis-py's pure-Python parser, as
 before hiredis was a dependency), --label names their rows.
+
+Added TTFT, interleaved (--interleave LABEL=DIR,LABEL=DIR,...; `this` for this tree): the upstream direct and one
+fleet gateway per tree run at once, and --latency-requests lone requests go to each in turn (request i to system
+i mod n), so a machine whose load swings (a shared one) slows every system alike; per system TTFT p50/p90 and the
+p50 added over direct. Nothing else is measured in this mode.
 
 The client is a bare asyncio HTTP/1.1 client (keep-alive connections, chunked SSE read by hand), so it costs the
 machine less than the servers it measures. The PostgreSQL database is a throwaway one (dropped at the end); Redis
@@ -599,10 +606,11 @@ def run(args) -> list[dict]:
     return rows
 
 
-def gateway_env(args, run_dir: Path) -> dict:
+def gateway_env(args, run_dir: Path, tree: str | None = None) -> dict:
     """The environment of a gateway process: the source tree under test, hiredis hidden when asked."""
     env = {k: v for k, v in os.environ.items() if k not in ("TOKENFLEET_ADMIN_KEY", "TOKENFLEET_DATABASE_URL")}
-    paths = [str(Path(args.tree).resolve())] if args.tree else []
+    tree = args.tree if tree is None else tree
+    paths = [str(Path(tree).resolve())] if tree else []
     if args.hide_hiredis:
         shim = run_dir / "no-hiredis"
         shim.mkdir(exist_ok=True)
@@ -634,6 +642,71 @@ def run_gateway(system: str, args, run_dir: Path, model_dir: Path, upstream_port
     finally:
         gateway.stop()
         postgres_admin(services.postgres_admin_url, f'DROP DATABASE IF EXISTS "{services.database}" WITH (FORCE)')
+
+
+def run_interleaved(args) -> list[dict]:
+    """Lone requests to the upstream and to one gateway per tree, in turn (see the module's docstring)."""
+    import redis
+
+    from tokenfleet.model.demo import write_demo_checkpoint
+
+    run_dir = Path(tempfile.mkdtemp(prefix="gateway-interleaved-"))
+    model_dir = write_demo_checkpoint(run_dir / "model", size="tiny", seed=0)
+    sync = redis.Redis.from_url(args.redis)
+    prefix = f"tfbench:gwcap:{uuid.uuid4().hex}:"
+    upstream_port = free_port()
+    upstream = Process(
+        "upstream",
+        [sys.executable, __file__, "upstream", "--port", str(upstream_port), "--chunks", str(args.chunks)],
+        upstream_port,
+        run_dir / "upstream.log",
+    )
+    gateways: list[tuple[Process, Services]] = []
+    try:
+        upstream.wait_ready("/health")
+        targets = [Target("direct", upstream_port)]
+        for spec in args.interleave.split(","):
+            label, tree = spec.split("=", 1)
+            tree = "" if tree == "this" else tree
+            services = Services(args.redis, None, args.postgres, f"{prefix}{label}:", f"tfbench_{uuid.uuid4().hex}")
+            postgres_admin(services.postgres_admin_url, f'CREATE DATABASE "{services.database}"')
+            port = free_port()
+            fleet_file(run_dir / f"fleet-{label}.json", model_dir, port, upstream_port, services)
+            cmd = [sys.executable, "-m", "tokenfleet", "gateway", "--config", str(run_dir / f"fleet-{label}.json")]
+            env = gateway_env(args, run_dir, tree)
+            gateway = Process(label, cmd, port, run_dir / f"{label}.log", env, cwd=tree or REPO)
+            gateways.append((gateway, services))
+            gateway.wait_ready("/health")
+            targets.append(Target(label, port, {"authorization": f"Bearer {api_key(port)}"}))
+        ttfts = asyncio.run(_in_turn(targets, args.warmup, args.latency_requests))
+    finally:
+        for gateway, services in gateways:
+            gateway.stop()
+            postgres_admin(services.postgres_admin_url, f'DROP DATABASE IF EXISTS "{services.database}" WITH (FORCE)')
+        upstream.stop()
+        keys = list(sync.scan_iter(match=prefix + "*", count=5000))
+        for i in range(0, len(keys), 1000):
+            sync.delete(*keys[i : i + 1000])
+    direct = pct(ttfts["direct"], 0.5)
+    return [
+        {"system": name, "p50": pct(v, 0.5) * 1000, "p90": pct(v, 0.9) * 1000, "added": (pct(v, 0.5) - direct) * 1000}
+        for name, v in ttfts.items()
+    ]
+
+
+async def _in_turn(targets: list[Target], warmup: int, requests: int) -> dict[str, list[float]]:
+    connections = [Connection(t) for t in targets]
+    ttfts: dict[str, list[float]] = {t.name: [] for t in targets}
+    try:
+        for i in range((warmup + requests) * len(connections)):
+            connection = connections[i % len(connections)]
+            ttft, _ = await connection.chat()
+            if i >= warmup * len(connections):
+                ttfts[connection.target.name].append(ttft)
+    finally:
+        for connection in connections:
+            connection.close()
+    return ttfts
 
 
 def run_litellm(args, run_dir: Path, upstream_port: int, services: Services) -> dict:
@@ -701,9 +774,13 @@ def main() -> None:
     parser.add_argument("--hide-hiredis", action="store_true", help="run the gateways without hiredis")
     parser.add_argument("--label", default="", help="appended to the gateway rows' names, e.g. ' (before)'")
     parser.add_argument("--out", default="", help="append the table to this markdown file ('' prints only)")
+    parser.add_argument("--interleave", default="", help="LABEL=DIR,...: lone-request TTFT, interleaved (only)")
     args = parser.parse_args()
     if args.command == "upstream":
         serve_upstream(args.port, args.chunks)
+        return
+    if args.interleave:
+        interleaved(args)
         return
     args.systems = args.systems.split(",")
     load_before = os.getloadavg()
@@ -720,6 +797,27 @@ def main() -> None:
     if args.out:
         with Path(args.out).open("a") as out:
             out.write(head + "\n\n" + table + "\n\n")
+    print(json.dumps(rows, indent=1), file=sys.stderr)
+
+
+def interleaved(args) -> None:
+    load_before = os.getloadavg()
+    rows = run_interleaved(args)
+    load_after = os.getloadavg()
+    lines = [
+        f"python {sys.version.split()[0]}, {os.cpu_count()} cores, {args.latency_requests} lone streamed chat requests "
+        f"per system after {args.warmup} warm-up, in turn; load average (1/5/15 min) before "
+        f"{load_before[0]:.2f}/{load_before[1]:.2f}/{load_before[2]:.2f}, after "
+        f"{load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f}",
+        "",
+        "| system | TTFT p50 / p90 ms, 1 in flight | added TTFT p50 ms |",
+        "|---|---:|---:|",
+    ]
+    lines += [f"| {r['system']} | {r['p50']:.2f} / {r['p90']:.2f} | {r['added']:.2f} |" for r in rows]
+    print("\n".join(lines))
+    if args.out:
+        with Path(args.out).open("a") as out:
+            out.write("\n".join(lines) + "\n\n")
     print(json.dumps(rows, indent=1), file=sys.stderr)
 
 

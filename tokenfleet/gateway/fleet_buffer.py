@@ -1,7 +1,11 @@
 """A fleet gateway's resume buffer: Redis, where any gateway can resume a stream, and a copy in memory of the
 streams this gateway relays, which its own clients read. When Redis fails, requests are still served: a new stream
 goes on without resume elsewhere (`resumable` is False: the gateway says so in a header), and a stream in flight
-goes on from the copy, so its clients never notice."""
+goes on from the copy, so its clients never notice.
+
+Every write goes to Redis before the copy, the first token's too: writing it ahead of Redis would save its round
+trip (~0.6 ms) from the time to first token, but a gateway dying within that round trip would leave a token its
+client received out of the stream the reaper bills from (metering's bar: at least what the client received)."""
 
 from __future__ import annotations
 
@@ -121,6 +125,13 @@ class FleetResumeBuffer:
     def release(self, request_id: str) -> None:
         self.local.forget(request_id)
         self.unshared.discard(request_id)
+
+    async def discard(self, request_id: str) -> None:
+        shared = request_id not in self.unshared
+        self.release(request_id)
+        if shared:  # else Redis may hold its open, left to expire (a request that never started is not resumed)
+            with contextlib.suppress(*REDIS_FAILURES):
+                await self.shared.discard(request_id)
 
     async def last_usage(self, request_id: str) -> Usage | None:
         return await self.shared.last_usage(request_id)

@@ -6,6 +6,7 @@ the HTTP routes around it all are in app.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -33,11 +34,14 @@ from tokenfleet.metering.recorder import UsageRecorder
 from tokenfleet.router.pool import Route
 from tokenfleet.router.router import Router
 from tokenfleet.store.db import Database
-from tokenfleet.tracing import epoch_ns, tracer
+from tokenfleet.tracing import epoch_ns, recording, tracer
 
 __all__ = ["Gateway", "ModelInfo", "Prepared"]
 log = logging.getLogger(__name__)
 TRACER = tracer("gateway")
+# a request that waited longer than this for room has its stream opened again (its early open may have expired):
+# far below any resume buffer's TTL (300 s by default)
+REOPEN_AFTER_S = 1.0
 
 
 class Gateway:
@@ -90,9 +94,10 @@ class Gateway:
         how the relay writes its events, when not as the request's own API does (the Responses API's)."""
         p = await self.preparation.prepare(kind, body, caller, mode)
         REQUEST_ID.set(p.request_id)  # in this task's log lines, and sent on to the replica (x-request-id)
-        arrived_ns = epoch_ns(p.arrived)
-        span = TRACER.start_span(
+        arrived_ns = epoch_ns(p.arrived) if recording() else 0
+        span = _start_span(
             "gateway.request",
+            None,
             kind=trace.SpanKind.SERVER,
             start_time=arrived_ns,
             attributes={"tokenfleet.request_id": p.request_id, "tokenfleet.tier": caller.principal.tier},
@@ -113,33 +118,44 @@ class Gateway:
         event_format: Callable[[str], EventFormat] | None,
     ) -> Relay:
         span, arrived_ns = traced  # the request's span, and when it arrived (the admission span's start too)
-        admission = TRACER.start_span("admission", trace.set_span_in_context(span), start_time=arrived_ns)
+        admission = _start_span("admission", span, start_time=arrived_ns)
+        opening: asyncio.Future | None = None
         try:
-            admitted, tokens = await self._reserve(p, caller)
+            tokens = await self._plan(p, caller)
+            fmt = event_format(p.request_id) if event_format else _event_format(p.request_id, p.req, native)
+            # the stream's open in the buffer does not depend on the quota's answer: its round trip overlaps the
+            # reservation's (a refused request's stream is discarded; nothing has reached a replica)
+            opening = asyncio.ensure_future(self.buffer.open(p.request_id, caller.tenant, fmt.kind))
+            opened_at = time.monotonic()
+            admitted = await self.admission.reserve_for(p.request_id, caller, tokens)
         except BaseException as e:
             _end_span(admission, e)
+            if opening is not None:
+                self._spawn(self._discard(opening, p.request_id))
             raise
         admission.set_attribute("tokenfleet.reserved_tokens", tokens)
         admission.end()
         queued = asyncio.ensure_future(self.admission.queue(admitted, p.model))
         try:
-            with TRACER.start_as_current_span("queue_wait", trace.set_span_in_context(span)):
+            with _current(_start_span("queue_wait", span)):
                 refusal = await self.safety(p.body, p.prompts[0])
                 if refusal:
                     raise bad_request(refusal, code="content_filter")
                 await queued
-            fmt = event_format(p.request_id) if event_format else _event_format(p.request_id, p.req, native)
-            return await self.start_relay(p, fmt, admitted, affinity, span)
+            early = opening if time.monotonic() - opened_at < REOPEN_AFTER_S else None  # None: the relay opens it
+            return await self.start_relay(p, fmt, admitted, affinity, span, early)
         except BaseException as e:
             queued.cancel()
             self._spawn(self._give_back(queued, admitted))
+            if p.request_id not in self.relays:  # no relay took the stream's open over
+                self._spawn(self._discard(opening, p.request_id))
             if self.usage is not None and p.request_id not in self.relays:  # it never ran: no tokens, no route
                 status = "cancelled" if isinstance(e, asyncio.CancelledError) else "failed"
                 self.usage.finished(usage_event(p.request_id, p.model, caller, p.arrived, None, status))
             raise
 
-    async def _reserve(self, p: Prepared, caller: Caller) -> tuple[Admitted, int]:
-        """The overload plan (which may move the request to another model or cap its output), then the quota."""
+    async def _plan(self, p: Prepared, caller: Caller) -> int:
+        """The overload plan (which may move the request to another model or cap its output); the tokens to reserve."""
         plan = self.admission.plan_for(caller)
         if plan.model_override is not None:
             await self.preparation.reroute(p, plan.model_override, f"overload:{plan.level}")
@@ -153,12 +169,16 @@ class Gateway:
             )
         p.body = _apply_plan(p.body, p.max_tokens, plan, caller.tier.priority)
         limit = p.max_tokens if plan.max_tokens_cap is None else p.body["max_tokens"]
-        tokens = self.admission.tokens_for(caller, p.prompt_tokens, p.choices, limit)
-        return await self.admission.reserve_for(p.request_id, caller, tokens), tokens
+        return self.admission.tokens_for(caller, p.prompt_tokens, p.choices, limit)
 
     async def _give_back(self, queued: asyncio.Future, admitted: Admitted) -> None:
         await asyncio.gather(queued, return_exceptions=True)
         await self.admission.finish(admitted, None)
+
+    async def _discard(self, opening: asyncio.Future, request_id: str) -> None:
+        """The stream opened for a request that never started: once its open has landed, it goes."""
+        await asyncio.gather(opening, return_exceptions=True)
+        await self.buffer.discard(request_id)
 
     # --- relaying ---------------------------------------------------------------------------------------------
 
@@ -169,12 +189,14 @@ class Gateway:
         admitted: Admitted | None = None,
         affinity: str | None = None,
         span: trace.Span | None = None,
+        opening: asyncio.Future | None = None,
     ) -> Relay:
-        """`span`: the request's own (ended with it); the relay's span and each routing attempt's go under it."""
+        """`span`: the request's own (ended with it); the relay's span and each routing attempt's go under it.
+        `opening`: the stream's open in the buffer, when already under way."""
         model = p.resolution.model.name
-        span = span or TRACER.start_span("gateway.request", start_time=epoch_ns(p.arrived))
+        span = span or _start_span("gateway.request", None, start_time=epoch_ns(p.arrived))
         span.set_attribute("gen_ai.request.model", model)
-        relay_span = TRACER.start_span("relay", trace.set_span_in_context(span))
+        relay_span = _start_span("relay", span)
         route = Route(model, "", "", "", 0, rule=p.resolution.rule)
         routed = RoutedRequest(
             self.router.pools_for(model),
@@ -200,7 +222,7 @@ class Gateway:
         chunks = routed_chunks(routed)
         if admitted is not None:
             chunks = within_budget(chunks, BudgetGuard(self.admission, admitted), p.choices)
-        await relay.start(chunks)  # registered only once it runs: a relay that never started
+        await relay.start(chunks, opening)  # registered only once it runs: a relay that never started
         self.relays[relay.request_id] = relay  # is metered by admit and never counted as active
         if self.usage is not None and admitted is not None:
             caller, prompt_tokens = admitted.caller, sum(map(len, p.prompts))  # billed from the open row on
@@ -260,6 +282,19 @@ class Gateway:
         return self.metrics.render() + (self.extra_metrics() if self.extra_metrics else b"")
 
 
+def _start_span(name: str, parent: trace.Span | None, **options) -> trace.Span:
+    """A span under `parent` (None: a root), or, when it could be neither recorded nor passed on (no tracing set up),
+    the invalid span itself: nothing built per request, and its children are skipped alike."""
+    if not recording(parent):
+        return trace.INVALID_SPAN
+    return TRACER.start_span(name, None if parent is None else trace.set_span_in_context(parent), **options)
+
+
+def _current(span: trace.Span):
+    """The span as the current one while in the block (ended with it), or nothing to do for the invalid one."""
+    return contextlib.nullcontext() if span is trace.INVALID_SPAN else trace.use_span(span, end_on_exit=True)
+
+
 def _end_span(span: trace.Span, error: BaseException | None = None) -> None:
     if isinstance(error, APIError):
         span.set_attribute("http.response.status_code", error.status)
@@ -270,6 +305,8 @@ def _end_span(span: trace.Span, error: BaseException | None = None) -> None:
 
 def _end_relay_spans(relay: Relay, spans: tuple[trace.Span, ...]) -> None:
     for span in spans:
+        if span is trace.INVALID_SPAN:
+            continue
         span.set_attribute("tokenfleet.status", relay.status)
         if relay.usage is not None:
             span.set_attribute("gen_ai.usage.input_tokens", relay.usage.prompt_tokens)

@@ -66,11 +66,14 @@ class Relay:
     _written_id: int = 0  # the last event the buffer holds
     _progress: asyncio.Future | None = None  # resolved by the writer at its next write (or its end)
 
-    async def start(self, chunks: AsyncIterator[Piece]) -> None:
-        """Opens the stream in the buffer; while the open waits for Redis, the relay already asks its replica (the
-        open's round trip and the replica's first token overlap). Returns once the stream is open; the relay writes
-        nothing before that, and nothing at all if it could not be opened (then it is cancelled, and this raises)."""
-        self._opening = opening = asyncio.ensure_future(self.buffer.open(self.request_id, self.owner, self.format.kind))
+    async def start(self, chunks: AsyncIterator[Piece], opening: asyncio.Future | None = None) -> None:
+        """Opens the stream in the buffer (`opening`: its open, when already under way); while the open waits for
+        Redis, the relay already asks its replica (the open's round trip and the replica's first token overlap).
+        Returns once the stream is open; the relay writes nothing before that, and nothing at all if it could not
+        be opened (then it is cancelled, and this raises)."""
+        if opening is None:
+            opening = asyncio.ensure_future(self.buffer.open(self.request_id, self.owner, self.format.kind))
+        self._opening = opening
         self._queue(self.format.start())  # the first events, whatever the replica sends meanwhile
         first_events = self.last_id
         try:

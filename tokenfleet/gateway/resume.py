@@ -74,6 +74,9 @@ class ResumeBuffer(Protocol):
     def release(self, request_id: str) -> None:
         """This gateway has stopped relaying the stream; a copy kept only for its own readers may go."""
 
+    async def discard(self, request_id: str) -> None:
+        """Removes a stream opened for a request that never started (no event, no reader): wherever it was kept."""
+
 
 async def read_all(follower: Follower, wait_s: float) -> AsyncIterator[StreamEvent]:
     while (events := await follower.next(wait_s)) is not None:
@@ -192,6 +195,9 @@ class MemoryResumeBuffer:
     def forget(self, request_id: str) -> None:
         """Drops the stream now (readers already following it read on to its end)."""
         self._logs.pop(request_id, None)
+
+    async def discard(self, request_id: str) -> None:
+        self.forget(request_id)
 
     def _log(self, request_id: str) -> _Log:
         self._expire()
@@ -463,6 +469,9 @@ class RedisResumeBuffer:
 
     def release(self, request_id: str) -> None:
         """Nothing to do: Redis expires the stream."""
+
+    async def discard(self, request_id: str) -> None:
+        await self.redis.delete(self._key(request_id))
 
 
 def _event_args(event: StreamEvent, args: list[str | int]) -> None:

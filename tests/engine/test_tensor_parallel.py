@@ -358,3 +358,15 @@ def test_a_replica_whose_rank_dies_reports_itself_unhealthy(demo_model_dir, tmp_
             assert time.monotonic() < deadline, "the replica still says it is healthy with a rank gone"
             time.sleep(0.1)
         assert httpx.get(f"{base}/health").status_code == 503
+
+
+def test_more_ranks_than_gpus_is_refused_at_start(demo_model_dir, monkeypatch):
+    """On CUDA each rank takes a GPU of its own: asking for more ranks than the machine has GPUs fails at start,
+    saying how many there are (checked here without a GPU: the check reads torch.cuda.device_count)."""
+    config = EngineConfig(str(demo_model_dir), tensor_parallel_size=2, **SMALL_KV)
+    model_config = ModelConfig.from_dir(demo_model_dir)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 needs 2 GPUs \(one per rank\); this machine has 1"):
+        tensor_parallel.check_tensor_parallel(config, model_config, torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    tensor_parallel.check_tensor_parallel(config, model_config, torch.device("cuda"))  # enough GPUs: no refusal

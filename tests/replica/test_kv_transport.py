@@ -137,3 +137,25 @@ def test_an_unreachable_receiver_fails_fast():
             await TcpKVSender(connect_timeout_s=1.0).connect(address)
 
     asyncio.run(scenario())
+
+
+def test_writing_to_a_receiver_that_died_is_a_connection_error_under_uvloop():
+    """The replica servers run uvloop, whose closed transports raise RuntimeError on write: the transport turns that
+    into the ConnectionError a broken transfer is (it was a 500 from the prefill replica before)."""
+    import uvloop
+
+    from tokenfleet.replica.kv_transport import write_frame
+
+    async def scenario() -> None:
+        async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.transport.abort()
+
+        server = await asyncio.start_server(drop, "127.0.0.1", 0)
+        _, writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+        with pytest.raises(ConnectionError):
+            for _ in range(100):  # the peer's reset arrives after a write or two
+                await write_frame(writer, {"op": "blocks", "first": 0, "count": 1}, b"\0" * BLOCK)
+                await asyncio.sleep(0.01)
+        server.close()
+
+    uvloop.run(scenario())

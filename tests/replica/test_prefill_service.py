@@ -76,7 +76,7 @@ def test_a_decode_replica_failing_mid_transfer(engine, behaviour):
         return failed.value
 
     error = asyncio.run(scenario())
-    assert error.status == (409 if behaviour == "refuses" else 502)
+    assert error.status == (409 if behaviour == "refuses" else 424)
     assert error.code == ("kv_transfer_refused" if behaviour == "refuses" else "kv_transfer_failed")
     assert "decode" in error.message
     assert_clean(engine)

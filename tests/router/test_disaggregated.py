@@ -283,12 +283,57 @@ def running_on(urls: list[str]) -> str:
     return found[0]
 
 
+class KillWhenBlocksArrive:
+    """Watches these replicas (a thread each, polling their transfer counter), and once one of them has received KV
+    blocks SIGKILLs `victim` (a name in the fleet; None: that receiving replica); `killed` says whom."""
+
+    def __init__(self, fleet, urls: list[str], victim: str | None = None) -> None:
+        self.fleet, self.victim, self.killed = fleet, victim, None
+        self.done = threading.Event()
+        names = {url: name for name, url in fleet["urls"].items()}
+        self.threads = [
+            threading.Thread(target=self._watch, args=(url, names[url], blocks(url, "received")), daemon=True)
+            for url in urls
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def _watch(self, url: str, name: str, before: float) -> None:
+        deadline = time.monotonic() + 60
+        while not self.done.is_set() and time.monotonic() < deadline:
+            if blocks(url, "received") > before:
+                if not self.done.is_set():
+                    self.done.set()
+                    self.killed = self.victim or name
+                    self.fleet["procs"][self.killed].send_signal(signal.SIGKILL)
+                return
+            time.sleep(0.001)
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join(70)
+
+
 def test_prefill_or_decode_replica_killed_mid_request(demo_model_dir, tmp_path):
-    roles = {"prefill": ["p"], "decode": ["d1", "d2"]}
+    roles = {"prefill": ["p"], "decode": ["d1", "d2", "d3"]}
     # the prefill replica computes 16 tokens a step: a long prompt's transfer lasts long enough to be cut
     with disaggregated_fleet(demo_model_dir, tmp_path, roles, prefill_chunk=16) as fleet:
         urls = fleet["urls"]
-        decoders = [urls["d1"], urls["d2"]]
+        decoders = [urls["d1"], urls["d2"], urls["d3"]]
+
+        # a decode replica killed mid-transfer: the prefill fails (not the prefill replica's fault), the stream
+        # starts on another decode replica, prefilled by p again
+        messages = [{"role": "user", "content": long_prompt("the miller's apprentice", 40)}]
+        killer = KillWhenBlocksArrive(fleet, decoders)
+        got = chat_stream(fleet, messages, 16)
+        killer.join()
+        assert killer.killed is not None
+        assert retry_reasons(got["raw"]) == ["prefill_failed", "connect"]
+        decoders.remove(urls[killer.killed])
+        assert got["text"] == direct(decoders[0], messages, 16)
+        assert usage_rows(fleet["db"], got["request_id"]) == [(got["usage"]["prompt_tokens"], 16)]
+        for url in (urls["p"], *decoders):
+            idle_and_clean(url)
 
         # a decode replica killed mid-stream: the rest comes from the other one (its prompt prefilled by p again)
         messages = [{"role": "user", "content": long_prompt("a lighthouse keeper", 6)}]
@@ -297,7 +342,8 @@ def test_prefill_or_decode_replica_killed_mid_request(demo_model_dir, tmp_path):
         def kill_decoder(events: int) -> None:
             if events == 5 and not killed:
                 killed.append(running_on(decoders))
-                fleet["procs"]["d1" if killed[0] == urls["d1"] else "d2"].send_signal(signal.SIGKILL)
+                name = next(n for n, u in urls.items() if u == killed[0])
+                fleet["procs"][name].send_signal(signal.SIGKILL)
 
         got = chat_stream(fleet, messages, 1000, on_chunk=kill_decoder)
         assert killed and retry_reasons(got["raw"]) == ["stream_broken"]
@@ -309,21 +355,10 @@ def test_prefill_or_decode_replica_killed_mid_request(demo_model_dir, tmp_path):
 
         # the prefill replica killed mid-transfer: the decode replica prefills itself
         messages = [{"role": "user", "content": long_prompt("the harbour master's ledger", 40)}]
-        received = blocks(survivor, "received")
-        cut = threading.Event()
-
-        def kill_prefill_mid_transfer() -> None:
-            deadline = time.monotonic() + 60
-            while blocks(survivor, "received") == received and time.monotonic() < deadline:
-                time.sleep(0.002)
-            fleet["procs"]["p"].send_signal(signal.SIGKILL)
-            cut.set()
-
-        killer = threading.Thread(target=kill_prefill_mid_transfer, daemon=True)
-        killer.start()
+        killer = KillWhenBlocksArrive(fleet, [survivor], victim="p")
         got = chat_stream(fleet, messages, 16)
-        killer.join(70)
-        assert cut.is_set()
+        killer.join()
+        assert killer.killed == "p"
         assert retry_reasons(got["raw"]) == ["prefill_failed"]
         assert metric(survivor, "tokenfleet:kv_transfers_failed_total", direction="received", model_name=MODEL) >= 1
         assert got["text"] == direct(survivor, messages, 16)

@@ -139,9 +139,11 @@ class PrefillService:
 
 
 def _failed(message: str, refused: bool = False) -> APIError:
+    """The decode replica refused (409) or failed (424, Failed Dependency: this replica is fine, so the gateway's
+    health tracking does not count it against it)."""
     if refused:
         return APIError(409, message, "invalid_request_error", code="kv_transfer_refused")
-    return APIError(502, message, "server_error", code="kv_transfer_failed")
+    return APIError(424, message, "server_error", code="kv_transfer_failed")
 
 
 def attach_receiver(app: FastAPI, role: KVRole, engine: Any) -> TcpKVReceiver:

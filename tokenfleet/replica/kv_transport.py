@@ -67,10 +67,15 @@ class KVSender(Protocol):
 
 async def write_frame(writer: asyncio.StreamWriter, header: dict[str, object], payload: bytes = b"") -> None:
     raw = json.dumps(header, separators=(",", ":")).encode()
-    writer.write(HEADER.pack(len(raw)) + raw + PAYLOAD.pack(len(payload)))
-    if payload:
-        writer.write(payload)
-    await writer.drain()
+    if writer.is_closing():
+        raise ConnectionResetError("the peer closed the connection")
+    try:
+        writer.write(HEADER.pack(len(raw)) + raw + PAYLOAD.pack(len(payload)))
+        if payload:
+            writer.write(payload)
+        await writer.drain()
+    except RuntimeError as e:  # uvloop, on a transport the peer has closed meanwhile
+        raise ConnectionResetError(f"the peer closed the connection: {e}") from e
 
 
 async def read_frame(reader: asyncio.StreamReader, timeout_s: float) -> tuple[dict[str, object], bytes]:

@@ -103,3 +103,25 @@ def test_a_whole_transfer_through_the_service(engine):
     assert stats.blocks_sent == usable == stats.held and stats.blocks_skipped == 0
     assert again.blocks_sent == 0 and again.blocks_skipped == usable  # the decode side held them: nothing computed
     assert_clean(engine)
+
+
+def test_an_unreachable_decode_replica_is_asked_for_its_address_again(engine):
+    """A decode replica that restarted listens for transfers on a new port: the old address is not kept."""
+
+    async def scenario() -> tuple[APIError, dict]:
+        server, address = await fake_decode_replica("dies")
+        server.close()
+        await server.wait_closed()
+        service = PrefillService(engine)
+        service.peers["http://decode"] = (address, engine.kv_layout)
+        try:
+            with pytest.raises(APIError) as failed:
+                await service.prefill(PROMPT, "http://decode", "req-4")
+        finally:
+            await service.aclose()
+        return failed.value, service.peers
+
+    error, peers = asyncio.run(scenario())
+    assert error.status == 424 and "cannot reach decode replica" in error.message
+    assert "http://decode" not in peers
+    assert_clean(engine)

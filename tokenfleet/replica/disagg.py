@@ -101,6 +101,7 @@ class PrefillService:
             session = await self.sender.connect(address)
         except (OSError, TimeoutError, TransferError) as e:
             self.failures += 1
+            self.peers.pop(peer_url, None)  # a restarted decode replica listens on a new port: ask it again next time
             raise _failed(f"cannot reach decode replica {peer_url} at {address}: {e}") from e
         try:
             return await self._transfer(session, token_ids, request_id)

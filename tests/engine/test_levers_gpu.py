@@ -41,8 +41,8 @@ def generate(llm: LLM, token_prompts: list[list[int]], max_tokens: int) -> list[
     return [out.token_ids for out in outputs]
 
 
-def release(llm: LLM) -> None:
-    del llm
+def free_cuda_cache() -> None:
+    """After the caller's `del` of its last engine: the engine's KV cache goes back to the device."""
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -66,16 +66,19 @@ def test_fp8_kv_cache_equals_the_round_tripping_reference(arch, kv_cache_dtype, 
     got = generate(llm, cases, 12)  # one busy batch
     for prompt, tokens in zip(cases, got):
         assert tokens == reference_greedy(reference, prompt, 12, RoundTripCache(runner.kv_scales, runner.kv_dtype))
-    release(llm)
+    del llm, runner
+    free_cuda_cache()
 
 
 def test_fp8_kv_cache_holds_twice_the_tokens_of_bf16(llama):
     bf16 = LLM(str(llama), dtype="bfloat16", **ON_CUDA)
     bf16_bytes = bf16.engine.runner.kv_cache.nbytes / bf16.engine.runner.num_blocks
-    release(bf16)
+    del bf16
+    free_cuda_cache()
     fp8 = LLM(str(llama), dtype="bfloat16", kv_cache_dtype="fp8_e4m3", **ON_CUDA)
     fp8_bytes = fp8.engine.runner.kv_cache.nbytes / fp8.engine.runner.num_blocks
-    release(fp8)
+    del fp8
+    free_cuda_cache()
     assert bf16_bytes == 2 * fp8_bytes
 
 
@@ -87,7 +90,8 @@ def test_quantized_checkpoint_equals_its_dequantized_reference(llama, fmt, tmp_p
     cases = prompts(4, seed=2)
     for prompt, tokens in zip(cases, generate(llm, cases, 8)):
         assert tokens == reference_greedy(reference, prompt, 8)
-    release(llm)
+    del llm
+    free_cuda_cache()
 
 
 @pytest.mark.parametrize("method", ["int8", "fp8"])
@@ -98,11 +102,21 @@ def test_online_quantization_equals_its_reference(llama, method, tmp_path):
     cases = prompts(4, seed=3)
     for prompt, tokens in zip(cases, generate(llm, cases, 8)):
         assert tokens == reference_greedy(reference, prompt, 8)
-    release(llm)
+    del llm
+    free_cuda_cache()
+
+
+@pytest.fixture(scope="module")
+def repetitive_llama(tmp_path_factory) -> Path:
+    """Small weights: greedy outputs fall into loops, so n-gram lookup has proposals the target accepts."""
+    from tests.engine.test_speculative import REPETITIVE
+
+    return make_checkpoint(tmp_path_factory.mktemp("gpu-llama-rep") / "llama", "llama", **REPETITIVE)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_speculative_decoding_gives_the_same_greedy_tokens(llama, method):
+def test_speculative_decoding_gives_the_same_greedy_tokens(repetitive_llama, method):
+    llama = repetitive_llama
     config = (
         {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
         if method == "ngram"
@@ -111,12 +125,14 @@ def test_speculative_decoding_gives_the_same_greedy_tokens(llama, method):
     cases = prompts(8, seed=4, repeat=True)
     plain = LLM(str(llama), **ON_CUDA)
     expected = generate(plain, cases, 24)
-    release(plain)
+    del plain
+    free_cuda_cache()
     speculative = LLM(str(llama), speculative_config=config, **ON_CUDA)
     assert generate(speculative, cases, 24) == expected
     stats = speculative.engine.speculator.stats
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
-    release(speculative)
+    del speculative
+    free_cuda_cache()
 
 
 def test_nccl_collectives_of_a_one_rank_group():

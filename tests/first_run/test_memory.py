@@ -16,9 +16,11 @@ from tokenfleet.engine.memory import (
     GIB,
     KV_SHARE_OF_AVAILABLE,
     SWAP_SHARE_OF_AVAILABLE,
+    GpuMemory,
     Job,
     available_memory,
     plan_cpu_memory,
+    plan_gpu_memory,
 )
 from tokenfleet.engine.request import RequestStatus, SamplingParams
 
@@ -114,3 +116,22 @@ def test_a_large_budget_is_not_resident_until_used(demo_model_dir):
     grown = resident_bytes() - before
     assert e.runner.num_blocks * 16 * e.model_config.kv_bytes_per_token(e.runner.kv_dtype) >= 2 * GIB - 2**20
     assert grown < 300 * 2**20, f"an idle engine with a 3 GiB budget grew by {grown / 2**20:.0f} MiB"
+
+
+GPU = GpuMemory(total_bytes=100 * GIB, free_bytes=90 * GIB, engine_bytes=3 * GIB)
+
+
+def test_a_gpu_kv_cache_takes_the_utilization_less_the_engines_own_memory():
+    """vLLM's meaning: gpu_memory_utilization is the engine's whole share, so two engines at 0.4 fit one GPU."""
+    plan = plan_gpu_memory(GPU, block_bytes=GIB // 4, utilization=0.4, kv_cache_gib=None, swap_space_gib=0.5)
+    assert plan.num_blocks == (40 - 3) * 4 and plan.num_host_blocks == 2
+    second = GpuMemory(total_bytes=100 * GIB, free_bytes=60 * GIB - 1, engine_bytes=3 * GIB)
+    assert plan_gpu_memory(second, GIB // 4, 0.4, None, None).num_blocks == 37 * 4
+
+
+def test_a_gpu_kv_cache_that_would_not_fit_in_free_memory_is_refused_at_start():
+    with pytest.raises(ValueError, match="only 90.00 GiB of the GPU is free"):
+        plan_gpu_memory(GPU, GIB // 4, utilization=0.95, kv_cache_gib=None, swap_space_gib=None)
+    with pytest.raises(ValueError, match="kv_cache_gib=91 as set"):
+        plan_gpu_memory(GPU, GIB // 4, utilization=0.1, kv_cache_gib=91, swap_space_gib=None)
+    assert plan_gpu_memory(GPU, GIB // 4, utilization=0.1, kv_cache_gib=2, swap_space_gib=None).num_blocks == 8

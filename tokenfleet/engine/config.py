@@ -107,7 +107,7 @@ class EngineConfig:
             "channel (default: none; a quantized checkpoint loads as its config.json says)",
         },
     )
-    gpu_memory_utilization: float = 0.9  # fraction of free GPU memory the KV cache may take
+    gpu_memory_utilization: float = 0.9  # fraction of the GPU this engine may take: weights, activations, KV cache
     # host memory for swapped-out KV blocks, allocated at the first swap-out; None: as large as the KV cache, within
     # a share of the available memory
     swap_space_gib: float | None = field(default=None, metadata={"help": "default: auto, as large as the KV cache"})

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 GIB = 1 << 30
 KV_SHARE_OF_AVAILABLE = 0.25  # an automatic KV cache takes at most this share of the available memory
 SWAP_SHARE_OF_AVAILABLE = 0.125  # automatic swap space: at most this share (and no larger than the KV cache)
+# GPU memory outside PyTorch's allocator: the CUDA context, cuBLAS workspaces, NCCL buffers (vLLM counts it too)
+CUDA_CONTEXT_BYTES = 1 * GIB
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,44 @@ def plan_cpu_memory(
             else f"capped at {SWAP_SHARE_OF_AVAILABLE:.1%} of {available_bytes / GIB:.1f} GiB available"
         )
     return MemoryPlan(num_blocks, num_host_blocks, kv_reason, swap_reason)
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """One GPU as the engine finds it before allocating its KV cache."""
+
+    total_bytes: int
+    free_bytes: int
+    engine_bytes: int  # this engine's weights (and draft's) plus its activations' peak, not other engines'
+
+
+def plan_gpu_memory(
+    gpu: GpuMemory, block_bytes: int, utilization: float, kv_cache_gib: float | None, swap_space_gib: float | None
+) -> MemoryPlan:
+    """vLLM's meaning of gpu_memory_utilization: this engine may use that fraction of the device in all, so its KV
+    cache gets the fraction less the engine's own weights and activations (two engines at 0.4 share one GPU).
+    kv_cache_gib, when given, wins. Either way the cache must fit in what is free now, or start-up fails saying
+    so rather than failing at the first allocation."""
+    if kv_cache_gib is not None:
+        budget, kv_reason = kv_cache_gib * GIB, f"kv_cache_gib={kv_cache_gib:g} as set"
+    else:
+        budget = utilization * gpu.total_bytes - gpu.engine_bytes
+        kv_reason = (
+            f"gpu_memory_utilization={utilization:g} of {gpu.total_bytes / GIB:.1f} GiB "
+            f"less {gpu.engine_bytes / GIB:.2f} GiB of weights and activations"
+        )
+    if budget > gpu.free_bytes:
+        raise ValueError(
+            f"the KV cache would take {budget / GIB:.2f} GiB ({kv_reason}) but only "
+            f"{gpu.free_bytes / GIB:.2f} GiB of the GPU is free; lower gpu_memory_utilization or kv_cache_gib"
+        )
+    swap_gib = 1.0 if swap_space_gib is None else swap_space_gib
+    return MemoryPlan(
+        int(max(budget, 0) // block_bytes),
+        int(swap_gib * GIB // block_bytes),
+        kv_reason,
+        f"swap_space_gib={swap_gib:g}",
+    )
 
 
 def available_memory() -> int:

@@ -11,7 +11,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenfleet.engine.config import EngineConfig
-from tokenfleet.engine.memory import Job, MemoryPlan, available_memory, lazily_zeroed, plan_cpu_memory
+from tokenfleet.engine.memory import (
+    CUDA_CONTEXT_BYTES,
+    GpuMemory,
+    Job,
+    MemoryPlan,
+    available_memory,
+    lazily_zeroed,
+    plan_cpu_memory,
+    plan_gpu_memory,
+)
 from tokenfleet.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tokenfleet.engine.step_inputs import InputBuilder, StepInputs
 from tokenfleet.model.attention import AttentionMetadata, PagedAttention, PrefillChunk
@@ -79,14 +88,12 @@ class ModelRunner:
         gpu_memory_utilization of the device, the swap space swap_space_gib (else 1 GiB) of host memory."""
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            num_blocks = self._check_blocks(free - (1 - config.gpu_memory_utilization) * total, bytes_per_block)
-            swap_gib = 1.0 if config.swap_space_gib is None else config.swap_space_gib
-            return MemoryPlan(
-                num_blocks,
-                int(swap_gib * GIB // bytes_per_block),
-                f"gpu_memory_utilization={config.gpu_memory_utilization:g}",
-                f"swap_space_gib={swap_gib:g}",
+            gpu = GpuMemory(total, free, self._engine_bytes(config))
+            plan = plan_gpu_memory(
+                gpu, bytes_per_block, config.gpu_memory_utilization, config.kv_cache_gib, config.swap_space_gib
             )
+            self._check_blocks(plan.num_blocks * bytes_per_block, bytes_per_block)
+            return plan
         job = Job(
             config.max_num_seqs,
             config.max_model_len or self.model.config.max_model_len,
@@ -98,6 +105,18 @@ class ModelRunner:
         requested = config.kv_cache_gib * GIB if config.kv_cache_gib is not None else plan.num_blocks * bytes_per_block
         self._check_blocks(requested, bytes_per_block)
         return plan
+
+    def _engine_bytes(self, config: EngineConfig) -> int:
+        """The weights this engine holds (its draft's too), plus a bound on one step's activations: a chunk of
+        max_num_batched_tokens through the widest layer, and fp32 logits for max_num_seqs rows (with the
+        sampler's copy). Measured memory would count other engines in this process too."""
+        models = [self.model] + ([self.draft.model] if self.draft is not None else [])
+        weights = sum(t.numel() * t.element_size() for m in models for t in [*m.parameters(), *m.buffers()])
+        cfg = self.model.config
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        widest = max(4 * cfg.hidden_size, 3 * cfg.intermediate_size)
+        activations = config.max_num_batched_tokens * widest * itemsize + 2 * config.max_num_seqs * cfg.vocab_size * 4
+        return weights + activations + CUDA_CONTEXT_BYTES
 
     @staticmethod
     def _check_blocks(budget: float, bytes_per_block: int) -> int:

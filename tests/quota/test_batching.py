@@ -16,7 +16,7 @@ from redis.exceptions import ResponseError
 from tests.quota.helpers import REDIS_URL, org, run, user
 from tokenfleet.quota import QuotaStoreError, RedisQuota
 from tokenfleet.quota.batcher import TickBatcher
-from tokenfleet.quota.redis import RECONCILE, RESERVE
+from tokenfleet.quota.redis import BATCH, RECONCILE, RESERVE
 from tokenfleet.quota.redis_client import MAX_BATCH, Script
 
 
@@ -40,7 +40,7 @@ def counted_quota(prefix: str, **options) -> RedisQuota:
     """A RedisQuota whose writes are counted, its scripts known to Redis already (a first call of a script Redis has
     not seen costs a second write: test_one_failing_script_does_not_fail_the_others_in_its_write)."""
     sync = redis.Redis.from_url(REDIS_URL)
-    for script in (RESERVE, RECONCILE):
+    for script in (RESERVE, RECONCILE, BATCH):
         sync.script_load(script.source)
     sync.close()
     CountingConnection.writes, CountingConnection.made = [], []
@@ -56,7 +56,7 @@ def test_concurrent_reserves_share_one_write_and_keep_their_own_answers(prefix):
         try:
             scopes = [org(concurrent_requests=7, tokens_per_minute=1_000_000), user(tokens_per_minute=1_000_000)]
             decisions = await asyncio.gather(*(quota.reserve(f"r{i}", scopes, 10 + i) for i in range(MAX_BATCH)))
-            assert CountingConnection.writes == [MAX_BATCH]  # one round trip for 32 decisions
+            assert CountingConnection.writes == [1]  # one round trip, one call of the batch script, 32 decisions
             admitted = [d for d in decisions if d.allowed]
             assert len(admitted) == 7  # each script is still atomic on its own: exactly the limit
             assert [d.reservation.request_id for d in admitted] == [f"r{i}" for i in range(7)]  # in arrival order
@@ -65,7 +65,7 @@ def test_concurrent_reserves_share_one_write_and_keep_their_own_answers(prefix):
 
             CountingConnection.writes.clear()
             await asyncio.gather(*(quota.reconcile(d.reservation, 5) for d in admitted))
-            assert CountingConnection.writes == [7]
+            assert CountingConnection.writes == [1]
             assert (await quota.remaining(scopes[0])).concurrent == 7  # every slot freed
         finally:
             await quota.close()
@@ -79,7 +79,7 @@ def test_a_tick_beyond_one_write_goes_out_as_several_writes_at_once(prefix):
         try:
             scopes = [org(concurrent_requests=100), user(tokens_per_minute=1_000_000)]
             decisions = await asyncio.gather(*(quota.reserve(f"r{i}", scopes, 1) for i in range(2 * MAX_BATCH + 1)))
-            assert CountingConnection.writes == [MAX_BATCH, MAX_BATCH, 1]
+            assert CountingConnection.writes == [1, 1, 1]  # 32, 32 (batch script calls) and 1 (RESERVE)
             assert len(CountingConnection.made) == 3  # in flight together, one connection each
             assert all(d.allowed for d in decisions)
             assert [d.reservation.request_id for d in decisions] == [f"r{i}" for i in range(2 * MAX_BATCH + 1)]

@@ -15,6 +15,7 @@ from tokenfleet.engine.kv_blocks import KVBlockManager
 from tokenfleet.engine.kv_exchange import KVExchange, kv_layout_of
 from tokenfleet.engine.kv_transfer import KVChunk
 from tokenfleet.engine.limits import EngineLimits
+from tokenfleet.engine.memory import keep_freed_heap
 from tokenfleet.engine.outputs import RequestOutput as RequestOutput  # re-exported: they were defined here
 from tokenfleet.engine.outputs import RequestTiming
 from tokenfleet.engine.outputs import StepStats as StepStats
@@ -63,6 +64,8 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = config.resolved_device()
+        if self.device.type == "cpu":
+            keep_freed_heap()
         dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
         self.tokenizer = None if config.skip_tokenizer_init else Tokenizer.from_dir(config.model)
         model_config = ModelConfig.from_dir(config.model)

@@ -12,6 +12,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tokenfleet.model.config import ModelConfig, WeightQuantization
+from tokenfleet.model.cpu_linear import pack_cpu_linears
 from tokenfleet.model.llama import LlamaForCausalLM
 from tokenfleet.model.parallel import Collectives, TensorShard, parallelize, read_shard, shard_config
 from tokenfleet.model.quantized import QuantizedLinear, quantize_per_channel, replace_linears, unpack_int8
@@ -66,6 +67,8 @@ def load_model(
     model.rope.build(device)
     loaded = _load_weights(model, path, scheme, shard[0] if shard is not None else None)
     _check_complete(model, loaded)
+    if device.type == "cpu":
+        pack_cpu_linears(model)
     return model.eval()
 
 

@@ -290,3 +290,301 @@ redis.call('EXPIRE', KEYS[1], 2 * DAY)
 return 1
 """
 )
+
+# Many RESERVE and RECONCILE calls as one script call, run in order with exactly the effects and replies of the single
+# scripts run one after the other (at one instant: one TIME for the batch). A batch pays the script call, the clock
+# and each key's reads, expiries and most of its writes once instead of once per call: each key is read once (HMGET,
+# ZCARD) and its state kept in a Lua table that every call of the batch reads and updates; a hash is written once at
+# the end (one HSET of the fields the batch changed, one PEXPIREAT when a call needed a later expiry: the last one),
+# a lease zset's ZADD and ZREM wait until its count is next needed or the end (all waiting members in one call; the
+# count is then updated by what ZADD and ZREM report, so it is what ZCARD would say), its PEXPIRE happens once at the
+# end, and a share hash's demand is added once. Only the reconciled markers are written call by call (SET NX).
+#
+# All keys of all calls are in KEYS, in call order (the batch spans tenants, so their hash tags differ: a batch runs
+# on one standalone server; a Redis Cluster would need batches per slot). Per call, in KEYS its single script's keys
+# and in ARGV a kind then its single script's arguments:
+#   'r' request_id tokens lease n s0 limits...            KEYS: per scope hash, zset; [share]
+#   'c' request_id extra day n marker_ttl s0 limits...    KEYS: per scope hash, zset; [share]; marker
+# Returns one reply per call, each what its single script replies; a call whose commands fail (e.g. WRONGTYPE) gets
+# its error in its place and the others go on, as they would have with calls of their own.
+BATCH = (
+    PRELUDE
+    + r"""
+local now = clock()
+local day = math.floor(now / DAY)
+local now_text = num(now)
+local lease_ends = {}  -- lease -> num(now + lease)
+local function share_text(s)
+  if s == 1 then return '1' end
+  return num(s)
+end
+-- a hash: its HMGET reply, kept up to date, then [8] written, [9] r written, [10] t written, [11] day and used
+-- written, [12] the expiry to set (false: none)
+local hashes, hash_order = {}, {}
+-- a lease zset: its count (once read), its TTL to set, and the members to add (score) or remove (false) when it is
+-- next counted or at the end: one member as itself (in waiting, its score in score_of), more as one table of the
+-- names in order and name -> score or false
+local counts, ttls, waiting, score_of, zset_order = {}, {}, {}, {}, {}
+local shares, share_order = {}, {}
+
+local function hash_of(key)
+  local h = hashes[key]
+  if not h then
+    h = redis.call('HMGET', key, 'r', 't', 'a', 'day', 'used', 'x', 'xa')
+    h[8], h[9], h[10], h[11], h[12] = false, false, false, false, false
+    hashes[key] = h
+    hash_order[#hash_order + 1] = key
+  end
+  return h
+end
+-- read_scope on the batch's state of the hash
+local function read_cached(h, lim, s, a)
+  local elapsed = 0
+  if h[3] then elapsed = math.max(0, a - tonumber(h[3])) end
+  local st = {'-', '-', '-'}
+  if lim[1] >= 0 then st[1] = refill(h[1], lim[1], s, elapsed) end
+  if lim[2] >= 0 then st[2] = refill(h[2], lim[2], s, elapsed) end
+  if lim[4] >= 0 then
+    st[3] = 0
+    if tonumber(h[4]) == day then st[3] = tonumber(h[5]) end
+  end
+  return st
+end
+-- write_scope on the batch's state of the hash, written at the end: a value kept as a number reads back as the same
+-- number (Redis writes it with 17 digits), a_text as the same string
+local function write_cached(h, lim, st, s, a_text)
+  local idle = 0
+  h[8] = true
+  for j = 1, 2 do
+    if lim[j] > 0 then
+      h[j], h[8 + j] = st[j], true
+      idle = math.max(idle, (lim[j] * s - st[j]) / (lim[j] / 60 * s))
+    end
+  end
+  if lim[4] >= 0 then
+    h[4], h[5], h[11] = day, st[3], true
+    if st[3] > 0 then idle = math.max(idle, (day + 1) * DAY - now) end
+  end
+  local expiry = math.ceil((now + math.min(idle, 2 * DAY) + 60) * 1000)
+  if not (h[6] and h[7] == h[3] and tonumber(h[6]) >= expiry) then
+    expiry = expiry + EXPIRY_SLACK_MS
+    h[6], h[12] = expiry, expiry
+  end
+  h[3], h[7] = a_text, a_text
+end
+
+local function zset_touch(key)
+  if ttls[key] == nil then
+    ttls[key] = false
+    zset_order[#zset_order + 1] = key
+  end
+end
+-- a member to add (its score) or remove (false) when the zset is next counted or at the end
+local function zset_later(key, member, score)
+  local w = waiting[key]
+  if not w or w == member then
+    waiting[key], score_of[key] = member, score
+    return
+  end
+  if type(w) ~= 'table' then
+    w = {w, [w] = score_of[key]}
+    waiting[key] = w
+  end
+  if w[member] == nil then w[#w + 1] = member end
+  w[member] = score
+end
+local function zset_flush(key)
+  local w = waiting[key]
+  if not w then return end
+  waiting[key] = nil
+  local change = 0
+  if type(w) ~= 'table' then
+    local score = score_of[key]
+    if score then change = redis.call('ZADD', key, score, w) else change = -redis.call('ZREM', key, w) end
+  else
+    local adds, removes = {}, {}
+    for _, member in ipairs(w) do
+      local score = w[member]
+      if score then
+        adds[#adds + 1] = score; adds[#adds + 1] = member
+      else
+        removes[#removes + 1] = member
+      end
+    end
+    if #adds > 0 then change = redis.call('ZADD', key, unpack(adds)) end
+    if #removes > 0 then change = change - redis.call('ZREM', key, unpack(removes)) end
+  end
+  if counts[key] then counts[key] = counts[key] + change end
+end
+-- ZCARD as a call of its own would read it now
+local function zset_count(key)
+  zset_flush(key)
+  local c = counts[key]
+  if not c then
+    c = redis.call('ZCARD', key)
+    counts[key] = c
+  end
+  return c
+end
+
+-- share_of(key, now, s0, true) on the batch's state of the share hash (created at the end when absent)
+local function share_at(key, s0)
+  if key == nil then return 1, now, nil end
+  local c = shares[key]
+  if not c then
+    local h = redis.call('HMGET', key, 's', 'acc', 'since')
+    c = {demand = 0, created = false}
+    if h[1] then
+      c.s, c.acc, c.since = tonumber(h[1]), tonumber(h[2]), tonumber(h[3])
+    else
+      c.s, c.acc, c.since, c.created = s0, 0, now, true
+    end
+    shares[key] = c
+    share_order[#share_order + 1] = key
+  end
+  return c.s, c.acc + c.s * (now - c.since), c
+end
+
+local function reserve(k, v, n, s0)
+  local request_id, tokens, lease = ARGV[v + 1], tonumber(ARGV[v + 2]), tonumber(ARGV[v + 3])
+  local share_key = nil
+  if s0 > 0 then share_key = KEYS[k + 2 * n] end
+  local s, a, share = share_at(share_key, s0)
+  if share then share.demand = share.demand + math.max(tokens, 1) end
+  local ok, lims, seen = true, {}, {}
+  for i = 1, n do
+    local lim = limits_at(v + 2 + 4 * i)
+    local st = read_cached(hash_of(KEYS[k + 2 * i - 2]), lim, s, a)
+    local live = '-'
+    if lim[3] >= 0 then
+      local zkey = KEYS[k + 2 * i - 1]
+      zset_touch(zkey)
+      live = zset_count(zkey)
+      if live >= lim[3] then
+        live = live - redis.call('ZREMRANGEBYSCORE', zkey, '-inf', now_text)
+        counts[zkey] = live
+        if live >= lim[3] then ok = false end
+      end
+    end
+    if lim[1] == 0 or (lim[1] > 0 and st[1] < 1) then ok = false end
+    if lim[2] == 0 or (lim[2] > 0 and st[2] < tokens) then ok = false end
+    if lim[4] == 0 or (lim[4] > 0 and st[3] + tokens > lim[4]) then ok = false end
+    lims[i], seen[i] = lim, {st[1], st[2], live, st[3]}
+  end
+  if ok then
+    local a_text = now_text
+    if share_key then a_text = num(a) end
+    local lease_end, lease_ttl = nil, nil
+    for i = 1, n do
+      local lim, v2 = lims[i], seen[i]
+      local st = {v2[1], v2[2], v2[4]}
+      if lim[1] > 0 then st[1] = v2[1] - 1 end
+      if lim[2] > 0 then st[2] = v2[2] - tokens end
+      if lim[4] > 0 then st[3] = v2[4] + tokens end
+      if lim[1] > 0 or lim[2] > 0 or lim[4] > 0 then
+        write_cached(hash_of(KEYS[k + 2 * i - 2]), lim, st, s, a_text)
+      end
+      if lim[3] > 0 then
+        if not lease_end then
+          lease_end = lease_ends[lease]
+          if not lease_end then
+            lease_end = num(now + lease)
+            lease_ends[lease] = lease_end
+          end
+        end
+        lease_ttl = lease_ttl or math.ceil((lease + 60) * 1000)
+        local zkey = KEYS[k + 2 * i - 1]
+        zset_later(zkey, request_id, lease_end)
+        ttls[zkey] = lease_ttl
+      end
+    end
+  end
+  local out = {ok and 1 or 0, now_text, day, share_text(s)}
+  for i = 1, n do
+    local v2 = seen[i]
+    out[#out + 1] = level(v2[1]); out[#out + 1] = level(v2[2])
+    out[#out + 1] = count(v2[3]); out[#out + 1] = count(v2[4])
+  end
+  return out
+end
+
+local function reconcile(k, v, n, s0, marker)
+  if not redis.call('SET', marker, '1', 'NX', 'EX', ARGV[v + 5]) then return 0 end
+  local request_id, extra, charged_day = ARGV[v + 1], tonumber(ARGV[v + 2]), tonumber(ARGV[v + 3])
+  local share_key = nil
+  if s0 > 0 then share_key = KEYS[k + 2 * n] end
+  local s, a = share_at(share_key, s0)
+  local a_text = nil
+  for i = 1, n do
+    local lim = limits_at(v + 3 + 4 * i)
+    if lim[2] > 0 or (lim[4] > 0 and charged_day == day) then
+      local c = hash_of(KEYS[k + 2 * i - 2])
+      local st = read_cached(c, lim, s, a)
+      if lim[2] > 0 then st[2] = math.min(lim[2] * s, st[2] - extra) end
+      if lim[4] > 0 and charged_day == day then st[3] = math.max(0, st[3] + extra) end
+      a_text = a_text or num(a)
+      write_cached(c, lim, st, s, a_text)
+    end
+    if lim[3] >= 0 then
+      local zkey = KEYS[k + 2 * i - 1]
+      zset_touch(zkey)
+      zset_later(zkey, request_id, false)
+    end
+  end
+  return 1
+end
+
+local replies, k, v = {}, 1, 1
+while v <= #ARGV do
+  local kind = ARGV[v]
+  local ok, reply
+  if kind == 'r' then
+    local n, s0 = tonumber(ARGV[v + 4]), tonumber(ARGV[v + 5])
+    ok, reply = pcall(reserve, k, v, n, s0)
+    k, v = k + 2 * n + ((s0 > 0) and 1 or 0), v + 6 + 4 * n
+  elseif kind == 'c' then
+    local n, s0 = tonumber(ARGV[v + 4]), tonumber(ARGV[v + 6])
+    local nkeys = 2 * n + ((s0 > 0) and 1 or 0) + 1
+    ok, reply = pcall(reconcile, k, v, n, s0, KEYS[k + nkeys - 1])
+    k, v = k + nkeys, v + 7 + 4 * n
+  else
+    return redis.error_reply('ERR batch: unknown call kind ' .. tostring(kind))
+  end
+  if not ok then
+    if type(reply) ~= 'table' or not reply.err then reply = {err = tostring(reply)} end
+  end
+  replies[#replies + 1] = reply
+end
+
+local names = {'r', 't'}
+for _, key in ipairs(hash_order) do
+  local h = hashes[key]
+  if h[8] then
+    local fields = {'a', h[3], 'xa', h[7]}
+    for j = 1, 2 do
+      if h[8 + j] then fields[#fields + 1] = names[j]; fields[#fields + 1] = h[j] end
+    end
+    if h[11] then
+      fields[#fields + 1] = 'day'; fields[#fields + 1] = h[4]
+      fields[#fields + 1] = 'used'; fields[#fields + 1] = h[5]
+    end
+    if h[12] then fields[#fields + 1] = 'x'; fields[#fields + 1] = h[12] end
+    redis.call('HSET', key, unpack(fields))
+    if h[12] then redis.call('PEXPIREAT', key, h[12]) end
+  end
+end
+for _, key in ipairs(zset_order) do
+  zset_flush(key)
+  if ttls[key] then redis.call('PEXPIRE', key, ttls[key]) end
+end
+for _, key in ipairs(share_order) do
+  local c = shares[key]
+  if c.created then redis.call('HSET', key, 's', c.s, 'acc', 0, 'since', now) end
+  if c.demand > 0 then
+    redis.call('HINCRBY', key, 'demand', c.demand)
+    redis.call('EXPIRE', key, 2 * DAY)
+  end
+end
+return replies
+"""
+)

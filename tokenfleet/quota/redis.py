@@ -20,12 +20,12 @@ from tokenfleet.quota.base import Decision, Remaining, Reservation, Scope
 from tokenfleet.quota.checked import CheckedQuota
 from tokenfleet.quota.limits import Limits
 from tokenfleet.quota.rebalance import Rebalancer
-from tokenfleet.quota.redis_client import CallTemplate, RedisStore, Script, connect, text
+from tokenfleet.quota.redis_client import OpTemplate, RedisStore, Script, bulks, connect, text
 from tokenfleet.quota.rules import ScopeState, day_name, day_number, decide
 from tokenfleet.quota.slices import SlicePlan
 
 RESERVE, RECONCILE, INSPECT = Script(lua.RESERVE), Script(lua.RECONCILE), Script(lua.INSPECT)
-EXTEND = Script(lua.EXTEND)
+EXTEND, BATCH = Script(lua.EXTEND), Script(lua.BATCH)
 CLOSE_WAIT_S = 2.0  # how long close() waits for rebalance tasks to stop
 CACHED_SCOPES = 65_536  # scopes whose key names are kept (least recently used beyond that are made again)
 log = logging.getLogger("tokenfleet.quota")
@@ -38,8 +38,8 @@ class PreparedScopes:
 
     plan: SlicePlan
     limits: tuple[Limits, ...]
-    reserve: CallTemplate  # takes request_id, tokens
-    reconcile: CallTemplate  # takes the reconciled marker's key, request_id, extra tokens, day number
+    reserve: OpTemplate  # takes request_id, tokens
+    reconcile: OpTemplate  # takes the reconciled marker's key, request_id, extra tokens, day number
     marker_prefix: str  # the reconciled marker's key without the request id
 
 
@@ -83,7 +83,11 @@ class RedisQuota(CheckedQuota):
         self._owns_client = owns_client
         self._plans: dict[tuple[str, int | None], SlicePlan] = {}
         self._prepared: dict[tuple[tuple[Scope, ...], int | None], PreparedScopes] = {}
+        # request id -> the scopes and prepared calls of its reservation, until reconciled: a reconcile of the
+        # Reservation a reserve returned finds its calls without hashing and comparing its scopes again
+        self._open: dict[str, tuple[tuple[Scope, ...], PreparedScopes]] = {}
         self._scope_keys = functools.lru_cache(maxsize=CACHED_SCOPES)(self._make_scope_keys)
+        self._packed_scope_keys = functools.lru_cache(maxsize=CACHED_SCOPES)(self._make_packed_scope_keys)
 
     @classmethod
     def from_url(
@@ -129,14 +133,20 @@ class RedisQuota(CheckedQuota):
 
     def _prepare(self, scopes: tuple[Scope, ...], plan: SlicePlan) -> PreparedScopes:
         limits = tuple(plan.limits(s.limits) for s in scopes)
-        keys = [k for s in scopes for k in self._keys(plan, s)]
+        keys = b"".join([self._packed_scope_keys(plan.tag, s.name) for s in scopes])
+        nkeys = 2 * len(scopes)
         if plan.sliced:
-            keys.append(self.store.key(plan.tag, "share"))
-        n, s0, limit_args = len(scopes), _s0(plan), _limit_args(limits)
+            keys += bulks((self.store.key(plan.tag, "share"),))
+            nkeys += 1
+        n, s0, limit_args = len(scopes), _s0(plan), b"".join([_packed_limits(lim) for lim in limits])
         # RESERVE: request_id and tokens are its first arguments; RECONCILE: the marker is its last key, then
-        # request_id, extra and day its first arguments (lua.py)
-        reserve = CallTemplate.of(RESERVE, keys, 0, 2, [self._lease, n, s0, *limit_args])
-        reconcile = CallTemplate.of(RECONCILE, keys, 1, 3, [n, self.marker_ttl_s, s0, *limit_args])
+        # request_id, extra and day its first arguments (lua.py); both also run as calls of BATCH
+        reserve = OpTemplate.packed(
+            RESERVE, BATCH, "r", keys, nkeys, 0, 2, bulks((self._lease, n, s0)) + limit_args, 3 + 4 * n
+        )
+        reconcile = OpTemplate.packed(
+            RECONCILE, BATCH, "c", keys, nkeys, 1, 3, bulks((n, self.marker_ttl_s, s0)) + limit_args, 3 + 4 * n
+        )
         return PreparedScopes(plan, limits, reserve, reconcile, self.store.key(plan.tag, "reconciled", ""))
 
     def _keys(self, plan: SlicePlan, scope: Scope) -> tuple[str, str]:
@@ -145,6 +155,9 @@ class RedisQuota(CheckedQuota):
 
     def _make_scope_keys(self, tag: str, name: str) -> tuple[str, str]:
         return self.store.key(tag, name, "q"), self.store.key(tag, name, "leases")
+
+    def _make_packed_scope_keys(self, tag: str, name: str) -> bytes:
+        return bulks(self._scope_keys(tag, name))
 
     async def _reserve(self, request_id: str, scopes: tuple[Scope, ...], tokens: int) -> Decision:
         prepared = self.prepared(scopes)
@@ -169,11 +182,18 @@ class RedisQuota(CheckedQuota):
         reservation = None
         if allowed:
             reservation = Reservation(request_id, scopes, tokens, day_name(day), self.name, plan.index)
+            if len(self._open) >= CACHED_SCOPES:  # reservations never reconciled here (e.g. a failover's)
+                self._open.clear()
+            self._open[request_id] = (scopes, prepared)
         return decide(states, tokens, reservation, now, self.concurrency_retry_s)
 
     async def _reconcile(self, reservation: Reservation, used_tokens: int) -> None:
-        prepared = self.prepared(reservation.scopes, reservation.slice)
         request_id = reservation.request_id
+        found = self._open.pop(request_id, None)
+        if found is not None and found[0] is reservation.scopes and found[1].plan.index == reservation.slice:
+            prepared = found[1]
+        else:
+            prepared = self.prepared(reservation.scopes, reservation.slice)
         extra, day = used_tokens - reservation.tokens, day_number(reservation.day)
         await self.store.run_call(prepared.reconcile.call(prepared.marker_prefix + request_id, request_id, extra, day))
 
@@ -248,6 +268,11 @@ def _limit_numbers(lim: Limits) -> tuple[int, int, int, int]:
         -1 if v is None else v
         for v in (lim.requests_per_minute, lim.tokens_per_minute, lim.concurrent_requests, lim.tokens_per_day)
     )
+
+
+@functools.lru_cache(maxsize=4096)
+def _packed_limits(lim: Limits) -> bytes:
+    return bulks(_limit_numbers(lim))
 
 
 def _limit_args(limits: Iterable[Limits]) -> list[int]:

@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 from tests.quota.helpers import REDIS_URL, run
 from tokenfleet.quota import Limits, RedisQuota, Scope
 from tokenfleet.quota.redis import BATCH
-from tokenfleet.quota.redis_client import BatchCall, BatchOp, run_scripts
+from tokenfleet.quota.redis_client import BatchCall, BatchOp, OpTemplate, Script, ScriptCall, run_scripts
 
 TENANTS = ("acme", "hot")  # "hot" is sliced: its calls carry the share hash
 SLOW = 1.0  # the largest refill rate in these limits, per second (60 per minute)
@@ -202,3 +202,43 @@ def test_concurrent_reserves_and_reconciles_go_as_one_batch_call(prefix):
             await q.close()
 
     run(main())
+
+
+def test_a_call_whose_key_has_the_wrong_type_fails_alone_in_its_batch(prefix):
+    """A key that is not what the scripts wrote (here a string where a scope's hash belongs) fails the calls that
+    read it, as their single scripts would; the other calls of the batch get their answers."""
+    client = redis.Redis.from_url(REDIS_URL)
+    client.set(f"{prefix}{{broken}}:org:broken:q", "not a hash")
+
+    async def main():
+        q = RedisQuota.from_url(REDIS_URL, prefix)
+        try:
+            fine = Scope("org:acme", "acme", Limits(tokens_per_minute=1000, concurrent_requests=10))
+            broken = Scope("org:broken", "broken", Limits(tokens_per_minute=1000))
+            replies = await asyncio.gather(
+                q.reserve("a0", [fine], 10),
+                q.reserve("b0", [broken], 10),
+                q.reserve("a1", [fine], 10),
+                return_exceptions=True,
+            )
+            assert q.store.batcher.batches == 1
+            assert replies[0].allowed and replies[2].allowed
+            assert isinstance(replies[1], redis.exceptions.ResponseError) and "WRONGTYPE" in str(replies[1])
+            assert (await q.remaining(fine)).concurrent == 8
+        finally:
+            await q.close()
+
+    run(main())
+    client.close()
+
+
+def test_a_batch_call_packs_every_calls_keys_then_every_calls_kind_and_arguments():
+    script, batch = Script("return 1"), Script("return 2")
+    template = OpTemplate.of(script, batch, "c", ["k1", "k2é"], 1, 3, ["900.0", 2, "0", -1, 6000])
+    one, two = template.call("m1", "rid-ü", -5, 20425), template.call("m2", "r2", 7, 20426)
+    args = ["900.0", 2, "0", -1, 6000]
+    assert one.packed() == ScriptCall(script, ["k1", "k2é", "m1"], ["rid-ü", -5, 20425, *args]).packed()
+    keys = ["k1", "k2é", "m1", "k1", "k2é", "m2"]
+    plain = ScriptCall(batch, keys, ["c", "rid-ü", -5, 20425, *args, "c", "r2", 7, 20426, *args])
+    call = BatchCall(batch, [one, two])
+    assert call.packed() == plain.packed() and call.packed(by_sha=False) == plain.packed(by_sha=False)

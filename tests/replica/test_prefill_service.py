@@ -125,3 +125,15 @@ def test_an_unreachable_decode_replica_is_asked_for_its_address_again(engine):
     assert error.status == 424 and "cannot reach decode replica" in error.message
     assert "http://decode" not in peers
     assert_clean(engine)
+
+
+def test_the_client_to_decode_replicas_closes_with_the_server(engine):
+    """The app's lifespan holds `serving()`: when the server stops, the client's connections close with it."""
+
+    async def scenario() -> tuple[bool, bool]:
+        service = PrefillService(engine)
+        async with service.serving():
+            open_while_serving = not service.http.is_closed
+        return open_while_serving, service.http.is_closed
+
+    assert asyncio.run(scenario()) == (True, True)

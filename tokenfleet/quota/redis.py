@@ -1,8 +1,9 @@
 """The quota in Redis, shared by every gateway of a fleet: each reserve and each reconcile is one Lua script call
 (lua.py), all keys of a request under the tenant's hash tag, every key expiring once idle. Hot tenants are split
-into slices (slices.py). Concurrent calls share round trips (redis_client.py); a scope set's key names, slice plan
-and limits are packed into its reserve and reconcile calls once (PreparedScopes) and kept, so a call packs only its
-request id and token counts."""
+into slices (slices.py). Concurrent calls share round trips, and the reserves and reconciles of one tick run as one
+call of the batch script (lua.BATCH: the same effects and replies as the single calls one after the other; a lone
+call goes as its single script; redis_client.py). A scope set's key names, slice plan and limits are packed into its
+reserve and reconcile calls once (PreparedScopes) and kept, so a call packs only its request id and token counts."""
 
 from __future__ import annotations
 

@@ -4,7 +4,9 @@ way Redis can be unreachable into QuotaStoreError, within a hard deadline.
 Script calls are batched (batcher.py): the calls of one event-loop tick go to Redis as pipelined writes of EVALSHA
 commands, up to MAX_BATCH a write, each on a connection of its own, and their replies are read back in order. Each
 is still its own script call, atomic on its own, exactly as if it had been sent alone; only the round trips are
-shared.
+shared. Calls that can also run inside a batch script (BatchOp, from an OpTemplate: the quota's reserves and
+reconciles) go further: those of one write go as ONE call of that script (BatchCall), which runs them in order with
+the effects and replies of single calls made one after the other (lua.BATCH), and each caller gets its own reply.
 
 Per call the client does as little as it can: a script called over and over with the same keys and most of the same
 arguments (a quota scope set's reserve and reconcile) is packed once as a CallTemplate, and a call packs only the

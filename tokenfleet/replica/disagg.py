@@ -138,6 +138,14 @@ class PrefillService:
     async def aclose(self) -> None:
         await self.http.aclose()
 
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator[None]:
+        """For the app's lifespan: the client to decode replicas closes with the server."""
+        try:
+            yield
+        finally:
+            await self.aclose()
+
 
 def _failed(message: str, refused: bool = False) -> APIError:
     """The decode replica refused (409) or failed (424, Failed Dependency: this replica is fine, so the gateway's

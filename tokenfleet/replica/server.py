@@ -15,7 +15,7 @@ from opentelemetry import trace
 from tokenfleet import tracing
 from tokenfleet.api.chat_plan import ChatPlan, plan_chat
 from tokenfleet.api.errors import bad_request, not_found
-from tokenfleet.api.http import install_error_handler, read_json, until_disconnect
+from tokenfleet.api.http import install_error_handler, read_json, until_disconnect, within_lifespan
 from tokenfleet.api.protocol import ChatCompletionRequest, CompletionRequest, parse, prompt_token_ids_off_loop
 from tokenfleet.api.render import Renderer
 from tokenfleet.api.sse import SSE_HEADERS, sse_event
@@ -239,6 +239,8 @@ def add_disaggregation(
 ) -> None:
     """The prefill side's POST /internal/kv/prefill and the decode side's GET /internal/kv/info (replica/disagg.py)."""
     prefill = PrefillService(engine) if role.prefills and engine.kv_layout is not None else None
+    if prefill is not None:
+        within_lifespan(app, prefill.serving)
     receiver = attach_receiver(app, role, engine) if role.receives else None
     service.metrics.registry.register(KVTransferCollector(model_name, prefill, receiver))
 

@@ -94,3 +94,26 @@ def test_engine_without_kernel_matches_reference(tmp_path):
     )
     for prompt, out in zip(prompts, outputs):
         assert out.token_ids == reference_greedy(reference, prompt, 10)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 1e-3)])
+def test_the_fused_silu_and_mul_matches_pytorch(kernel, dtype, tol):
+    """The MLP's activation in the same library: one pass over [gate | up], large magnitudes included."""
+    x = (torch.randn(37, 2 * 96, generator=torch.Generator().manual_seed(1)) * 8).to(dtype)
+    x[0, 0], x[1, 1] = -200.0, 200.0  # exp overflows unclamped
+    gate, up = x.float().chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    got = torch.ops.tokenfleet.silu_and_mul(x)
+    assert got.dtype == dtype and got.shape == (37, 96) and torch.isfinite(got).all()
+    assert torch.allclose(got.float(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+    strided = torch.ops.tokenfleet.silu_and_mul(torch.cat([x, x], dim=-1)[:, : 2 * 96])  # rows apart in memory
+    assert torch.equal(strided, got)
+
+
+def test_the_engine_uses_the_fused_activation_only_with_the_kernel(tmp_path, kernel):
+    llm = LLM(str(make_checkpoint(tmp_path, "llama")), skip_tokenizer_init=True, **SMALL_KV)
+    runner = llm.engine.runner
+    runner.use_decode_kernel(kernel)
+    assert all(layer.mlp.silu_and_mul is not None for layer in runner.model.layers)
+    runner.use_decode_kernel(None)
+    assert all(layer.mlp.silu_and_mul is None for layer in runner.model.layers)

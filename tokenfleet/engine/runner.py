@@ -26,7 +26,7 @@ from tokenfleet.engine.step_inputs import InputBuilder, StepInputs
 from tokenfleet.model.attention import AttentionMetadata, PagedAttention, PrefillChunk
 from tokenfleet.model.cpu_kernels import advise_huge_pages, decode_kernel_build
 from tokenfleet.model.kv_quant import KVScales, as_bytes, is_fp8, kv_cache_dtype, scale_for
-from tokenfleet.model.llama import LlamaForCausalLM
+from tokenfleet.model.llama import MLP, LlamaForCausalLM
 
 if TYPE_CHECKING:
     from tokenfleet.engine.draft import DraftModel
@@ -168,6 +168,9 @@ class ModelRunner:
         self.inputs = InputBuilder(self.block_size, self.device, self.dtype, uses_kernel=op is not None)
         for attention in attention_layers(self.model):  # each layer's self_attn.attn
             attention.decode_kernel = op
+        fused = torch.ops.tokenfleet.silu_and_mul if op is not None else None  # the same library holds both
+        for mlp in mlp_layers(self.model):
+            mlp.silu_and_mul = fused
 
     def _take_kernel_when_built(self, build: Future[DecodeKernel | None]) -> None:
         """The kernel now if it is loaded; else the PyTorch path until its background build is done, then the
@@ -301,6 +304,10 @@ def measure_kv_ranges(
         for hook in hooks:
             hook.remove()
     return ranges
+
+
+def mlp_layers(model: LlamaForCausalLM) -> list[MLP]:
+    return [m for m in model.modules() if isinstance(m, MLP)]
 
 
 def attention_layers(model: LlamaForCausalLM) -> list[PagedAttention]:

@@ -57,8 +57,14 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
+        # the CPU kernel's fused op once it is built (engine/runner.py: use_decode_kernel), else PyTorch's two
+        self.silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.silu_and_mul is not None and gate_up.dim() == 2:
+            return self.down_proj(self.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -6,6 +6,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
@@ -212,7 +213,41 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
   return out;
 }
 
+namespace {
+
+template <typename T>
+void silu_and_mul_rows(const T* in, T* out, int64_t begin, int64_t end, int64_t d, int64_t stride) {
+  for (int64_t r = begin; r < end; ++r) {
+    const T* gate = in + r * stride;
+    const T* up = gate + d;
+    T* row = out + r * d;
+#pragma omp simd
+    for (int64_t j = 0; j < d; ++j) {
+      const float g = as_float(gate[j]);
+      // clamped: fast-math assumes finite values, and exp(80) is still one
+      row[j] = static_cast<T>(g / (1.0f + std::exp(std::min(-g, 80.0f))) * as_float(up[j]));
+    }
+  }
+}
+
+}  // namespace
+
+// The MLP's SiLU(gate) * up in one pass over x = [gate | up] ([rows, 2d], rows contiguous), as vLLM's
+// silu_and_mul: PyTorch's F.silu(gate) * up reads and writes two intermediate tensors, and its expf is slower.
+at::Tensor silu_and_mul(at::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "x must be [rows, 2d] with contiguous rows");
+  const int64_t rows = x.size(0), d = x.size(1) / 2, stride = x.stride(0);
+  auto out = at::empty({rows, d}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* in = x.const_data_ptr<scalar_t>();
+    scalar_t* y = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) { silu_and_mul_rows(in, y, begin, end, d, stride); });
+  });
+  return out;
+}
+
 TORCH_LIBRARY(tokenfleet, m) {
+  m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
       "int block_size, float scale, float k_scale=1.0, float v_scale=1.0) -> Tensor",

@@ -138,16 +138,17 @@ def compare_states(batched: dict[str, Any], single: dict[str, Any], elapsed: flo
         s_kind, s, s_ttl = single[key]
         assert kind == s_kind, key
         assert (b_ttl > 0) == (s_ttl > 0), f"{key}: ttl {b_ttl} vs {s_ttl}"
-        close(b_ttl, s_ttl, 1000 * elapsed + 2000, f"{key} ttl")
+        close(b_ttl, s_ttl, 2000 * elapsed + 2000, f"{key} ttl")
         if kind == "zset":
             assert b.keys() == s.keys(), key
             for member in b:
-                close(b[member], s[member], elapsed + 1, f"{key} {member}")
+                close(b[member], s[member], elapsed, f"{key} {member}")
         elif kind == "hash":
             assert b.keys() == s.keys(), key
             for field in b:
                 exact = field in ("day", "used", "demand", "s")
-                within = {"r": SLOW, "t": SLOW, "x": 1000}.get(field, 1.0) * (elapsed + 2)
+                # per second of clock difference: refill of the levels, ms of an expiry (and 1 ms: rounded up)
+                within = {"r": SLOW, "t": SLOW, "x": 2000}.get(field, 1.0) * elapsed + (field == "x")
                 close(b[field], s[field], 0 if exact else within, f"{key} {field}")
         else:
             assert b == s, key
@@ -160,10 +161,10 @@ def test_a_batch_does_what_the_single_scripts_do_one_after_the_other(seed):
     batched_prefix, single_prefix = f"tftest:quota:{run_id}b:", f"tftest:quota:{run_id}s:"
     client = redis.Redis.from_url(REDIS_URL)
     try:
-        batched = run(apply(batched_prefix, plan, batched=True))
         start = time.monotonic()
+        batched = run(apply(batched_prefix, plan, batched=True))
         single = run(apply(single_prefix, plan, batched=False))
-        elapsed = time.monotonic() - start
+        elapsed = time.monotonic() - start  # the most the two runs' clocks can differ by
         compare_replies(plan, batched, single, elapsed)
         compare_states(state(client, batched_prefix), state(client, single_prefix), elapsed)
         assert any(r[0] == 1 for r, call in zip(batched, plan.batch) if call[0] == "r") or seed % 3  # (mostly) admits

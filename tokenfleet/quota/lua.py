@@ -69,10 +69,8 @@ local function refill(stored, limit, s, elapsed)
   if not stored then return limit * s end  -- absent: full
   return math.min(limit * s, tonumber(stored) + elapsed * limit / 60)
 end
--- {r, t, used}: the buckets refilled to now and today's usage ('-' where unlimited); and the hash as read (the
--- expiry fields are for write_scope)
-local function read_scope(key, lim, s, a, day)
-  local h = redis.call('HMGET', key, 'r', 't', 'a', 'day', 'used', 'x', 'xa')
+-- {r, t, used}: the buckets refilled to now and today's usage ('-' where unlimited)
+local function scope_levels(h, lim, s, a, day)
   local elapsed = 0
   if h[3] then elapsed = math.max(0, a - tonumber(h[3])) end
   local st = {'-', '-', '-'}
@@ -82,7 +80,12 @@ local function read_scope(key, lim, s, a, day)
     st[3] = 0
     if tonumber(h[4]) == day then st[3] = tonumber(h[5]) end
   end
-  return st, h
+  return st
+end
+-- scope_levels of the hash, and the hash as read (its expiry fields are for write_scope)
+local function read_scope(key, lim, s, a, day)
+  local h = redis.call('HMGET', key, 'r', 't', 'a', 'day', 'used', 'x', 'xa')
+  return scope_levels(h, lim, s, a, day), h
 end
 -- h: the hash as read_scope read it; a_text: num(a), formatted once per script call
 local function write_scope(key, lim, st, s, a_text, now, day, h)
@@ -108,6 +111,24 @@ local function write_scope(key, lim, st, s, a_text, now, day, h)
     redis.call('HSET', key, unpack(fields))
     redis.call('PEXPIREAT', key, expiry)
   end
+end
+
+-- The rule of a reserve, for RESERVE and BATCH alike. lim: rpm tpm conc tpd (0: none allowed, -1: unlimited);
+-- st: requests left, tokens left, tokens used today.
+local function within_limits(lim, st, tokens)
+  if lim[1] == 0 or (lim[1] > 0 and st[1] < 1) then return false end
+  if lim[2] == 0 or (lim[2] > 0 and st[2] < tokens) then return false end
+  if lim[4] == 0 or (lim[4] > 0 and st[3] + tokens > lim[4]) then return false end
+  return true
+end
+
+-- A scope's state once a reserve of `tokens` is charged, from what it saw (requests, tokens, live, used).
+local function charged(lim, seen, tokens)
+  local st = {seen[1], seen[2], seen[4]}
+  if lim[1] > 0 then st[1] = seen[1] - 1 end
+  if lim[2] > 0 then st[2] = seen[2] - tokens end
+  if lim[4] > 0 then st[3] = seen[4] + tokens end
+  return st
 end
 """
 
@@ -145,9 +166,7 @@ for i = 1, n do
       if live >= lim[3] then ok = false end
     end
   end
-  if lim[1] == 0 or (lim[1] > 0 and st[1] < 1) then ok = false end
-  if lim[2] == 0 or (lim[2] > 0 and st[2] < tokens) then ok = false end
-  if lim[4] == 0 or (lim[4] > 0 and st[3] + tokens > lim[4]) then ok = false end
+  if not within_limits(lim, st, tokens) then ok = false end
   lims[i], seen[i], hashes[i] = lim, {st[1], st[2], live, st[3]}, h
 end
 if ok then
@@ -155,11 +174,8 @@ if ok then
   if share_key then a_text = num(a) end
   local lease_end, lease_ttl = nil, nil
   for i = 1, n do
-    local lim, v = lims[i], seen[i]
-    local st = {v[1], v[2], v[4]}
-    if lim[1] > 0 then st[1] = v[1] - 1 end
-    if lim[2] > 0 then st[2] = v[2] - tokens end
-    if lim[4] > 0 then st[3] = v[4] + tokens end
+    local lim = lims[i]
+    local st = charged(lim, seen[i], tokens)
     if lim[1] > 0 or lim[2] > 0 or lim[4] > 0 then
       write_scope(KEYS[2 * i - 1], lim, st, s, a_text, now, day, hashes[i])
     end
@@ -347,16 +363,7 @@ local function hash_of(key)
 end
 -- read_scope on the batch's state of the hash
 local function read_cached(h, lim, s, a)
-  local elapsed = 0
-  if h[3] then elapsed = math.max(0, a - tonumber(h[3])) end
-  local st = {'-', '-', '-'}
-  if lim[1] >= 0 then st[1] = refill(h[1], lim[1], s, elapsed) end
-  if lim[2] >= 0 then st[2] = refill(h[2], lim[2], s, elapsed) end
-  if lim[4] >= 0 then
-    st[3] = 0
-    if tonumber(h[4]) == day then st[3] = tonumber(h[5]) end
-  end
-  return st
+  return scope_levels(h, lim, s, a, day)
 end
 -- write_scope on the batch's state of the hash, written at the end: a value kept as a number reads back as the same
 -- number (Redis writes it with 17 digits), a_text as the same string
@@ -474,9 +481,7 @@ local function reserve(k, v, n, s0)
         if live >= lim[3] then ok = false end
       end
     end
-    if lim[1] == 0 or (lim[1] > 0 and st[1] < 1) then ok = false end
-    if lim[2] == 0 or (lim[2] > 0 and st[2] < tokens) then ok = false end
-    if lim[4] == 0 or (lim[4] > 0 and st[3] + tokens > lim[4]) then ok = false end
+    if not within_limits(lim, st, tokens) then ok = false end
     lims[i], seen[i] = lim, {st[1], st[2], live, st[3]}
   end
   if ok then
@@ -484,11 +489,8 @@ local function reserve(k, v, n, s0)
     if share_key then a_text = num(a) end
     local lease_end, lease_ttl = nil, nil
     for i = 1, n do
-      local lim, v2 = lims[i], seen[i]
-      local st = {v2[1], v2[2], v2[4]}
-      if lim[1] > 0 then st[1] = v2[1] - 1 end
-      if lim[2] > 0 then st[2] = v2[2] - tokens end
-      if lim[4] > 0 then st[3] = v2[4] + tokens end
+      local lim = lims[i]
+      local st = charged(lim, seen[i], tokens)
       if lim[1] > 0 or lim[2] > 0 or lim[4] > 0 then
         write_cached(hash_of(KEYS[k + 2 * i - 2]), lim, st, s, a_text)
       end

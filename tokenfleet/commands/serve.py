@@ -136,7 +136,8 @@ def build_gateway(
         )
         for name, pools in router.models.items()
     }
-    admission = Admission(quota, dispatchers, OverloadLadder(config.overload))
+    ask_ahead = config.quota.ask_replica_ahead and not isinstance(quota, MemoryQuota)  # memory answers at once
+    admission = Admission(quota, dispatchers, OverloadLadder(config.overload), ask_ahead)
     auth = Authenticator(None if open_tier else store, tiers, open_tier or "paid")
     secret = config.resume_secret.encode() if config.resume_secret else None
     buffer = buffer or resume_buffer(config)

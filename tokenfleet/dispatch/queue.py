@@ -140,6 +140,11 @@ class Dispatcher:
             self._abandon(waiter)
             raise
 
+    def grants_at_once(self, tier: str) -> bool:
+        """Whether a ticket of this tier would get its slot now, without waiting its turn."""
+        state = self._tiers.get(tier)
+        return state is not None and self._pool.in_use < self._pool.slots and self._serving(state)
+
     def submit(self, ticket: Ticket, future: Grant) -> Submission:
         """Queues a ticket without awaiting: `future.set_result(slot)` is called when it gets its slot, maybe
         before this returns. For callers without an event loop (the fleet simulator); `withdraw` takes it back."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -21,6 +22,11 @@ from tokenfleet.gateway.auth import Caller
 from tokenfleet.quota.base import Decision, QuotaService, QuotaStoreError, QuotaUnavailable, Reservation
 
 log = logging.getLogger(__name__)
+# Asking a replica ahead of the quota's answer (Admission.may_ask_ahead): the last admitted request of a caller says
+# how much room it had for this long; a tenant refused within one per-minute window is always checked first.
+ROOM_FRESH_S = 10.0
+REFUSED_COOL_DOWN_S = 60.0
+_MAX_CALLERS = 100_000  # the room records kept; beyond, they are dropped (and rebuilt by the next decisions)
 
 
 @dataclass
@@ -34,13 +40,43 @@ class Admitted:
     ticket: Ticket | None = None
 
 
+@dataclass(frozen=True)
+class _Room:
+    """What a caller's tightest per-minute buckets held after its last admitted request (inf: no such limit)."""
+
+    at: float
+    requests: float
+    tokens: float
+
+
 class Admission(AdmissionCore):
     """The admission core (dispatch/admission.py) for a gateway: its refusals as OpenAI's errors, the wait for a
     slot as an asyncio future, and a quota store that cannot answer never failing a request that already runs."""
 
-    def __init__(self, quota: QuotaService, dispatchers: dict[str, Dispatcher], ladder: OverloadLadder) -> None:
+    def __init__(
+        self, quota: QuotaService, dispatchers: dict[str, Dispatcher], ladder: OverloadLadder, ask_ahead: bool = False
+    ) -> None:
         super().__init__(quota, dispatchers, ladder)
         self.quota: QuotaService = quota
+        self.ask_ahead = ask_ahead
+        self._room: dict[str, _Room] = {}  # a caller's user scope -> what its last admitted request left
+        self._refused: dict[str, float] = {}  # tenant -> when the quota last refused it (or could not answer)
+
+    def may_ask_ahead(self, caller: Caller, tokens: int, model: str) -> bool:
+        """Whether this request's replica may be asked while the quota's answer is on its way: the caller's last
+        admitted request, moments ago, left room for two more of this size; its tenant was not refused within a
+        minute; and the request gets its slot in the pool at once. A refused request's replica is stopped before
+        anything reaches the client; what it costs is the start of one prefill."""
+        if not self.ask_ahead:
+            return False
+        now = time.monotonic()
+        if now - self._refused.get(caller.tenant, -math.inf) < REFUSED_COOL_DOWN_S:
+            return False
+        room = self._room.get(caller.scopes()[1].name)
+        if room is None or now - room.at > ROOM_FRESH_S or room.requests < 2 or room.tokens < 2 * tokens:
+            return False
+        dispatcher = self.dispatchers.get(model)
+        return dispatcher is not None and dispatcher.grants_at_once(caller.principal.tier)
 
     def plan_for(self, caller: Caller) -> Plan:
         """The overload ladder's verdict for a new request of this tier; a shed request never costs GPU time."""
@@ -66,11 +102,30 @@ class Admission(AdmissionCore):
         try:
             reserved = await self.reserve(request_id, caller.tenant, caller.principal.tier, caller.scopes(), tokens)
         except QuotaUnavailable as e:
+            self._note_refused(caller)
             raise unavailable(f"quotas cannot be checked right now ({e}); please retry") from e
         except OverQuota as refused:
+            self._note_refused(caller)
             raise _refusal(refused.decision, tokens, caller) from None
         assert reserved.reservation is not None  # a gateway always keeps a quota
+        if self.ask_ahead:
+            self._note_room(caller, reserved.headers)
         return Admitted(request_id, caller, reserved.reservation, headers=reserved.headers, ticket=reserved.ticket)
+
+    def _note_room(self, caller: Caller, headers: Mapping[str, str] | None) -> None:
+        if len(self._room) >= _MAX_CALLERS:
+            self._room.clear()
+        headers = headers or {}
+        self._room[caller.scopes()[1].name] = _Room(
+            time.monotonic(),
+            float(headers.get("x-ratelimit-remaining-requests", math.inf)),
+            float(headers.get("x-ratelimit-remaining-tokens", math.inf)),
+        )
+
+    def _note_refused(self, caller: Caller) -> None:
+        if len(self._refused) >= _MAX_CALLERS:
+            self._refused.clear()
+        self._refused[caller.tenant] = time.monotonic()
 
     async def extend(self, admitted: Admitted, at_least: int, at_most: int) -> bool | None:
         """Reserves more tokens for a running request (budget.py): True when granted, False when its budgets are

@@ -10,15 +10,17 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from opentelemetry import trace
 
 from tokenfleet.api.errors import APIError, bad_request
 from tokenfleet.dispatch.overload import Plan
 from tokenfleet.gateway.admission import Admission, Admitted
+from tokenfleet.gateway.ahead import Ahead
 from tokenfleet.gateway.auth import Authenticator, Caller
 from tokenfleet.gateway.budget import BudgetGuard, within_budget
+from tokenfleet.gateway.chunks import Piece
 from tokenfleet.gateway.formats import CollectFormat, EventFormat, NativeFormat, OpenAIFormat
 from tokenfleet.gateway.metrics import GatewayMetrics
 from tokenfleet.gateway.preparation import Body, ModelInfo, Prepared, RequestPreparation
@@ -120,6 +122,7 @@ class Gateway:
         span, arrived_ns = traced  # the request's span, and when it arrived (the admission span's start too)
         admission = _start_span("admission", span, start_time=arrived_ns)
         opening: asyncio.Future | None = None
+        ahead: Ahead | None = None
         try:
             tokens = await self._plan(p, caller)
             fmt = event_format(p.request_id) if event_format else _event_format(p.request_id, p.req, native)
@@ -127,25 +130,35 @@ class Gateway:
             # reservation's (a refused request's stream is discarded; nothing has reached a replica)
             opening = asyncio.ensure_future(self.buffer.open(p.request_id, caller.tenant, fmt.kind))
             opened_at = time.monotonic()
+            ahead = self._ask_ahead(p, caller, tokens, affinity, span)
             admitted = await self.admission.reserve_for(p.request_id, caller, tokens)
         except BaseException as e:
             _end_span(admission, e)
             if opening is not None:
                 self._spawn(self._discard(opening, p.request_id))
+            if ahead is not None:
+                self._spawn(ahead.cancel())
             raise
         admission.set_attribute("tokenfleet.reserved_tokens", tokens)
         admission.end()
         queued = asyncio.ensure_future(self.admission.queue(admitted, p.model))
         try:
+            if ahead is not None:
+                await asyncio.sleep(0)  # the queue's turn: a slot granted at once, as when the replica was asked
+                if not queued.done():  # the pool filled up meanwhile: the replica is asked again once in it
+                    ahead, cancelling = None, ahead
+                    self._spawn(cancelling.cancel())
             with _current(_start_span("queue_wait", span)):
                 refusal = await self.safety(p.body, p.prompts[0])
                 if refusal:
                     raise bad_request(refusal, code="content_filter")
                 await queued
             early = opening if time.monotonic() - opened_at < REOPEN_AFTER_S else None  # None: the relay opens it
-            return await self.start_relay(p, fmt, admitted, affinity, span, early)
+            return await self.start_relay(p, fmt, admitted, affinity, span, early, ahead)
         except BaseException as e:
             queued.cancel()
+            if ahead is not None and p.request_id not in self.relays:
+                self._spawn(ahead.cancel())
             self._spawn(self._give_back(queued, admitted))
             if p.request_id not in self.relays:  # no relay took the stream's open over
                 self._spawn(self._discard(opening, p.request_id))
@@ -182,19 +195,21 @@ class Gateway:
 
     # --- relaying ---------------------------------------------------------------------------------------------
 
-    async def start_relay(
-        self,
-        p: Prepared,
-        fmt: EventFormat,
-        admitted: Admitted | None = None,
-        affinity: str | None = None,
-        span: trace.Span | None = None,
-        opening: asyncio.Future | None = None,
-    ) -> Relay:
-        """`span`: the request's own (ended with it); the relay's span and each routing attempt's go under it.
-        `opening`: the stream's open in the buffer, when already under way."""
+    def _ask_ahead(
+        self, p: Prepared, caller: Caller, tokens: int, affinity: str | None, span: trace.Span
+    ) -> Ahead | None:
+        """The replica asked now, while the quota decides, when the admission allows it (Admission.may_ask_ahead)
+        and no safety hook has to see the prompt first."""
+        if self.safety is not allow_all or not self.admission.may_ask_ahead(caller, tokens, p.model):
+            return None
+        route, relay_span, chunks = self._routed(p, affinity, span)
+        return Ahead(chunks, route, relay_span)
+
+    def _routed(
+        self, p: Prepared, affinity: str | None, span: trace.Span
+    ) -> tuple[Route, trace.Span, AsyncIterator[Piece]]:
+        """The request's stream from the replicas the router picks (with failover), and the relay's span."""
         model = p.resolution.model.name
-        span = span or _start_span("gateway.request", None, start_time=epoch_ns(p.arrived))
         span.set_attribute("gen_ai.request.model", model)
         relay_span = _start_span("relay", span)
         route = Route(model, "", "", "", 0, rule=p.resolution.rule)
@@ -210,6 +225,26 @@ class Gateway:
             p.choices,
             trace=relay_span,
         )
+        return route, relay_span, routed_chunks(routed)
+
+    async def start_relay(
+        self,
+        p: Prepared,
+        fmt: EventFormat,
+        admitted: Admitted | None = None,
+        affinity: str | None = None,
+        span: trace.Span | None = None,
+        opening: asyncio.Future | None = None,
+        ahead: Ahead | None = None,
+    ) -> Relay:
+        """`span`: the request's own (ended with it); the relay's span and each routing attempt's go under it.
+        `opening`: the stream's open in the buffer, when already under way. `ahead`: the replica, already asked."""
+        model = p.resolution.model.name
+        span = span or _start_span("gateway.request", None, start_time=epoch_ns(p.arrived))
+        if ahead is not None:
+            route, relay_span, chunks = ahead.route, ahead.span, ahead.chunks()
+        else:
+            route, relay_span, chunks = self._routed(p, affinity, span)
         relay = Relay(
             p.request_id,
             self.buffer,
@@ -219,7 +254,6 @@ class Gateway:
             rate_limit_headers=admitted.headers if admitted else None,
         )
         relay.route = route
-        chunks = routed_chunks(routed)
         if admitted is not None:
             chunks = within_budget(chunks, BudgetGuard(self.admission, admitted), p.choices)
         await relay.start(chunks, opening)  # registered only once it runs: a relay that never started

@@ -14,6 +14,9 @@ class QuotaSettings:
     hot_tenants: dict[str, int] = field(default_factory=dict)  # organisation id -> sub-buckets (slices)
     slice_index: int = 0  # which slice of a hot tenant's buckets this gateway draws from
     rebalance_interval_s: float = 5.0
+    # while a Redis decision is on its way, a caller with ample room at its last one has its replica asked already
+    # (gateway/ahead.py); a refused request's replica work is stopped before anything reaches the client
+    ask_replica_ahead: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "redis", "memory"):

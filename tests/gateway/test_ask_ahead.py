@@ -1,0 +1,186 @@
+"""A replica asked while the quota decides (issue 25: the reservation's round trip off the path to the first
+token). Only a caller whose last admitted request left ample room, whose tenant was not refused lately, with no
+safety hook and a free slot, is asked ahead; a refused one's replica stream is stopped, the client gets the 429 and
+nothing else, no stream stays in the resume buffer, and the tenant is checked first from then on."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from tests.gateway.inprocess import inprocess_gateway
+from tokenfleet.dispatch.queue import Dispatcher
+from tokenfleet.dispatch.tickets import Ticket
+from tokenfleet.dispatch.tiers import TierConfig
+from tokenfleet.gateway.app import create_gateway_app
+from tokenfleet.gateway.gateway import Gateway
+from tokenfleet.quota.base import Decision
+from tokenfleet.quota.memory import MemoryQuota
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 4}
+ROOM = {"x-ratelimit-remaining-requests": "100", "x-ratelimit-remaining-tokens": "100000"}
+
+
+class SlowQuota(MemoryQuota):
+    """Answers after a Redis-like wait; `answers` says, per call, allow (with these headers) or refuse."""
+
+    def __init__(self, answers: list[dict | None], delay_s: float = 0.05) -> None:
+        super().__init__()
+        self.answers, self.delay_s, self.answered_at, self.reconciled = list(answers), delay_s, [], []
+
+    async def reserve(self, request_id, scopes, tokens, tier="default"):
+        await asyncio.sleep(self.delay_s)
+        headers = self.answers.pop(0)
+        self.answered_at.append(time.monotonic())
+        if headers is None:
+            return Decision(False, None, reason="tokens_per_minute", scope=scopes[0].name, retry_after_s=1.0)
+        decision = await super().reserve(request_id, scopes, tokens, tier)
+        return Decision(True, decision.reservation, headers=headers)
+
+    async def reconcile(self, reservation, used_tokens):
+        self.reconciled.append((reservation.request_id, used_tokens))
+        await super().reconcile(reservation, used_tokens)
+
+
+class TimedUpstream:
+    """A replica that notes when each request reached it and whether its stream was closed before the end."""
+
+    name = "timed"
+    kind = "tokenfleet"
+
+    def __init__(self, count: int = 4, per_token_s: float = 0.0) -> None:
+        self.count, self.per_token_s = count, per_token_s
+        self.asked_at: list[float] = []
+        self.stopped: list[int] = []  # tokens sent before a stream was closed early
+        self.stopped_at: list[float] = []
+
+    async def stream(self, kind: str, body: dict):
+        self.asked_at.append(time.monotonic())
+        sent = 0
+        try:
+            for i in range(self.count):
+                await asyncio.sleep(self.per_token_s)
+                sent += 1
+                yield {
+                    "id": "x",
+                    "object": "chat.completion.chunk",
+                    "choices": [{"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": None}],
+                    "usage": {"prompt_tokens": 5, "completion_tokens": i + 1, "total_tokens": 6 + i},
+                }
+            yield {
+                "id": "x",
+                "choices": [],
+                "usage": {"prompt_tokens": 5, "completion_tokens": sent, "total_tokens": 5 + sent},
+            }
+        except (GeneratorExit, asyncio.CancelledError):
+            self.stopped.append(sent)
+            self.stopped_at.append(time.monotonic())
+            raise
+
+    async def load(self) -> dict:
+        return {"queued_prefill_tokens": 0}
+
+
+def ahead_gateway(demo_model_dir, quota, upstream, ask_ahead: bool = True, **options) -> Gateway:
+    gw = inprocess_gateway(demo_model_dir, [upstream], open_tier="paid", quota=quota, **options)
+    gw.admission.ask_ahead = ask_ahead
+    return gw
+
+
+async def post_all(gw: Gateway, count: int) -> list[httpx.Response]:
+    transport = httpx.ASGITransport(app=create_gateway_app(gw))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+        return [await client.post("/v1/chat/completions", json=CHAT) for _ in range(count)]
+
+
+def test_a_caller_with_room_has_its_replica_asked_before_the_quota_answers(demo_model_dir):
+    quota, upstream = SlowQuota([ROOM, ROOM, ROOM]), TimedUpstream()
+    responses = asyncio.run(post_all(ahead_gateway(demo_model_dir, quota, upstream), 3))
+    for r in responses:
+        assert r.status_code == 200, r.text
+        assert "".join(_contents(r.text)) == "t0t1t2t3"
+        assert r.text.rstrip().endswith("data: [DONE]")
+    # the first request has no room on record: the quota first; the next ones overlap it
+    assert upstream.asked_at[0] > quota.answered_at[0]
+    assert upstream.asked_at[1] < quota.answered_at[1] - 0.03
+    assert upstream.asked_at[2] < quota.answered_at[2] - 0.03
+    assert upstream.stopped == []
+    assert [used for _, used in quota.reconciled] == [9, 9, 9]
+
+
+def test_off_the_replica_is_asked_only_after_the_quota(demo_model_dir):
+    quota, upstream = SlowQuota([ROOM, ROOM]), TimedUpstream()
+    asyncio.run(post_all(ahead_gateway(demo_model_dir, quota, upstream, ask_ahead=False), 2))
+    assert all(asked > answered for asked, answered in zip(upstream.asked_at, quota.answered_at, strict=True))
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"x-ratelimit-remaining-requests": "1", "x-ratelimit-remaining-tokens": "100000"},
+        {"x-ratelimit-remaining-requests": "100", "x-ratelimit-remaining-tokens": "20"},
+    ],
+    ids=["one request left", "tokens for one more"],
+)
+def test_a_caller_near_its_limits_is_checked_first(demo_model_dir, headers):
+    quota, upstream = SlowQuota([headers, headers]), TimedUpstream()
+    asyncio.run(post_all(ahead_gateway(demo_model_dir, quota, upstream), 2))
+    assert upstream.asked_at[1] > quota.answered_at[1]
+
+
+def test_a_refused_request_asked_ahead_is_stopped_and_its_tenant_checked_first_after(demo_model_dir):
+    quota = SlowQuota([ROOM, None, ROOM, ROOM], delay_s=0.1)
+    upstream = TimedUpstream(count=50, per_token_s=0.01)  # still generating when the refusal comes
+    gw = ahead_gateway(demo_model_dir, quota, upstream)
+    first, refused, after, again = asyncio.run(post_all(gw, 4))
+    assert first.status_code == 200 and after.status_code == 200 and again.status_code == 200
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["type"] == "requests"  # OpenAI's shape for a rate limit
+    assert "data:" not in refused.text
+    assert upstream.asked_at[1] < quota.answered_at[1]  # it was asked ahead...
+    assert len(upstream.stopped) == 1 and upstream.stopped[0] < 50  # ...and stopped there, at once
+    assert upstream.stopped_at[0] < upstream.asked_at[2]
+    assert upstream.asked_at[2] > quota.answered_at[2] and upstream.asked_at[3] > quota.answered_at[3]
+    assert len(quota.reconciled) == 3  # the refused one held nothing
+    assert not gw.buffer._logs or set(gw.buffer._logs) <= {r.headers["x-request-id"] for r in (first, after, again)}
+
+
+def test_no_request_is_asked_ahead_when_a_safety_hook_must_see_it(demo_model_dir):
+    async def hook(body: dict, prompt_token_ids: list[int]) -> str | None:
+        return None
+
+    quota, upstream = SlowQuota([ROOM, ROOM]), TimedUpstream()
+    gw = ahead_gateway(demo_model_dir, quota, upstream)
+    gw.safety = hook
+    asyncio.run(post_all(gw, 2))
+    assert upstream.asked_at[1] > quota.answered_at[1]
+
+
+def test_the_dispatcher_grants_at_once_only_with_a_free_slot_in_a_serving_tier():
+    tiers = {"paid": TierConfig(priority=0, weight=1), "free": TierConfig(priority=1, weight=1)}
+    dispatcher = Dispatcher(tiers, slots=1)
+
+    async def main() -> None:
+        assert dispatcher.grants_at_once("paid")
+        slot = await dispatcher.acquire(Ticket("a", "t", "paid", 10))
+        assert not dispatcher.grants_at_once("paid")
+        dispatcher.release(slot)
+        dispatcher.pause("free")
+        assert dispatcher.grants_at_once("paid") and not dispatcher.grants_at_once("free")
+        assert not dispatcher.grants_at_once("nonexistent")
+
+    asyncio.run(main())
+
+
+def _contents(text: str) -> list[str]:
+    import json
+
+    out = []
+    for line in text.splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:]).get("choices", []):
+                out.append(choice.get("delta", {}).get("content") or "")
+    return out

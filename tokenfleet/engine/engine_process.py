@@ -13,6 +13,7 @@ outputs to the event loop with one wake-up.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import multiprocessing
 import os
@@ -248,6 +249,10 @@ def _engine_main(config: EngineConfig, conn: Connection, threads: int) -> None:
         return
     if engine.tensor_parallel is not None:  # a rank that dies takes this process down: the server reports it down
         engine.tensor_parallel.on_lost = lambda reason: os._exit(3)
+    # The model, its modules and the imported code live as long as the process: out of the collector's sight, a full
+    # collection no longer walks them (one took ~57 ms mid-burst at 32 req/s, stalling every request in the step).
+    gc.collect()
+    gc.freeze()
     log.info("engine process %d: %d PyTorch thread(s)", os.getpid(), threads)
     layout = engine.kv_exchange.layout if engine.kv_exchange is not None else None
     conn.send(("ready", engine.limits, EngineState.of(engine), layout, engine.kv_transfer_refusal))

@@ -1191,28 +1191,88 @@ def measure_rates(served: Served, args, wl: dict, vllm_client: VllmClient | None
     raw: dict = {}
     row["vllm_rates"] = {}
     for rate_key in wl["rates"]:
-        rate = float(rate_key)
         runs: dict[str, list[dict]] = {c: [] for c in args.clients}
         for run, reqs in enumerate(rate_runs(wl, rate_key)[: args.repeats], 1):
             for client in args.clients:
-                if client == "ours":
-                    (recs, wall), others, busy = in_window(
-                        asyncio.run,
-                        run_rate(served.system, served.base, served.model, reqs, args.drain_timeout, served.headers),
-                    )
-                    summ = summarize(recs, wall, args.slo_ttft, args.slo_tpot)
-                    raw[rate_key if run == 1 else f"{rate_key} run{run}"] = recs
-                else:
-                    summ, others, busy = in_window(vllm_client_run, vllm_client, args, served, rate, run, run_dir)
-                rss = sum(tree_rss(s.proc.pid) for s in served.servers)
-                summ.update(others_cpu=others, cpu_busy_before=busy, server_rss=rss)
-                runs[client].append(summ)
-                print(run_line(served, client, rate_key, run, args.repeats, summ), flush=True)
-                time.sleep(1.0)
-        for client, key in (("ours", "rates"), ("vllm", "vllm_rates")):
-            if runs.get(client):
-                row[key][rate_key] = combine_runs(runs[client])
+                runs[client].append(measure_run(served, client, args, rate_key, run, reqs, vllm_client, run_dir, raw))
+        combine_into(row, runs, rate_key)
     return raw
+
+
+def measure_run(
+    served: Served, client: str, args, rate_key: str, run: int, reqs: list[dict], vllm_client, run_dir: Path, raw: dict
+) -> dict:
+    """One run of one rate with one client; our client's per-request records go into `raw`."""
+    if client == "ours":
+        (recs, wall), others, busy = in_window(
+            asyncio.run,
+            run_rate(served.system, served.base, served.model, reqs, args.drain_timeout, served.headers),
+        )
+        summ = summarize(recs, wall, args.slo_ttft, args.slo_tpot)
+        raw[rate_key if run == 1 else f"{rate_key} run{run}"] = recs
+    else:
+        summ, others, busy = in_window(vllm_client_run, vllm_client, args, served, float(rate_key), run, run_dir)
+    rss = sum(tree_rss(s.proc.pid) for s in served.servers)
+    summ.update(others_cpu=others, cpu_busy_before=busy, server_rss=rss)
+    print(run_line(served, client, rate_key, run, args.repeats, summ), flush=True)
+    time.sleep(1.0)
+    return summ
+
+
+def combine_into(row: dict, runs: dict[str, list[dict]], rate_key: str) -> None:
+    for client, key in (("ours", "rates"), ("vllm", "vllm_rates")):
+        if runs.get(client):
+            row[key][rate_key] = combine_runs(runs[client])
+
+
+def run_interleaved(
+    systems: list[str], args, model_dir: Path, max_len: int, wl: dict, run_dir: Path, ports, vllm_client
+) -> list[dict]:
+    """--interleave: every system up at once (idle ones wait on their sockets), and each run of each rate goes to
+    every system in turn, the order reversed every other run, so that a machine whose speed drifts (as shared
+    cloud cores do over minutes) slows every system alike. Our servers only, no gateway extras."""
+    rows, served_by, raws = {}, {}, {}
+    try:
+        for system in systems:
+            row: dict = {"system": system, "label": LABELS[system], "status": "ok", "rates": {}, "vllm_rates": {}}
+            rows[system] = row
+            servers, model = build_servers(system, args, model_dir, max_len, run_dir, ports)
+            row["commands"] = [" ".join(shlex.quote(c) for c in s.cmd) for s in servers]
+            served_by[system] = Served(system, servers, model, model_dir, {})
+            t = time.perf_counter()
+            for s in servers:
+                s.start()
+                row[f"ready_s_{s.name}"] = s.wait_healthy(args.start_timeout)
+            row["ready_s"] = time.perf_counter() - t
+            served_by[system].headers = auth_headers(servers[-1])
+            warm = asyncio.run(run_warmup(system, servers[-1].base, model, wl["warmup"], served_by[system].headers))
+            bad = [r["error"] for r in warm if not r["ok"]]
+            if bad:
+                raise RuntimeError(f"{system}: warm-up failed: {bad[:2]}")
+            print(f"[{system}] ready in {row['ready_s']:.1f}s", flush=True)
+            raws[system] = {}
+        busy = wait_idle(args.wait_idle, "all")  # once: every system is up and idle now
+        for row in rows.values():
+            row["cpu_busy_before_start"] = busy
+        for rate_key in wl["rates"]:
+            runs = {system: {c: [] for c in args.clients} for system in systems}
+            for run, reqs in enumerate(rate_runs(wl, rate_key)[: args.repeats], 1):
+                for system in systems if run % 2 else list(reversed(systems)):
+                    for client in args.clients:
+                        summ = measure_run(
+                            served_by[system], client, args, rate_key, run, reqs, vllm_client, run_dir, raws[system]
+                        )
+                        runs[system][client].append(summ)
+            for system in systems:
+                combine_into(rows[system], runs[system], rate_key)
+        for system, raw in raws.items():
+            if raw:
+                (run_dir / f"requests_{system}.json").write_text(json.dumps(raw))
+    finally:
+        for served in served_by.values():
+            for s in reversed(served.servers):
+                rows[served.system].setdefault("stopped", {})[s.name] = s.stop(args.stop_timeout)
+    return list(rows.values())
 
 
 def run_system(
@@ -1744,6 +1804,12 @@ def main(argv=None) -> None:
         "over them and the min-max of goodput and TTFT p99",
     )
     p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="all systems up at once; each run of each rate goes to every system in turn (the order reversed every "
+        "other run), so that a machine whose speed drifts slows all alike (serve and vllm only, no gateway extras)",
+    )
+    p.add_argument(
         "--preset",
         choices=sorted(PRESETS),
         help="a named set of defaults; flags given explicitly override it. saturation (issue 22): "
@@ -1798,8 +1864,11 @@ def main(argv=None) -> None:
     t_all = time.perf_counter()
     rows = []
     try:
-        for s in systems:
-            rows.append(run_system(s, args, model_dir, max_len, wl, run_dir, ports, vllm_client))
+        if args.interleave:
+            rows = run_interleaved(systems, args, model_dir, max_len, wl, run_dir, ports, vllm_client)
+        else:
+            for s in systems:
+                rows.append(run_system(s, args, model_dir, max_len, wl, run_dir, ports, vllm_client))
     finally:
         if vllm_client is not None:
             vllm_client.close()

@@ -95,18 +95,61 @@ inline void for_each_token(const typename Read::Stored* cache, Read read, float*
 
 // Scores of query heads g (pre-scaled, float) against every context token. Keys are stored transposed inside a
 // block ([head_dim][block_size]), so a block's scores are head_dim vector multiply-adds, with no horizontal sums.
+// The next block of a sequence is anywhere in the cache (its table's order, not memory's): asked for ahead, it
+// arrives while this one is computed, where the hardware prefetcher would only start at its first miss.
+template <typename C>
+inline void prefetch_block(const C* block, int64_t count) {
+  const char* bytes = reinterpret_cast<const char*>(block);
+  for (int64_t at = 0; at < count * static_cast<int64_t>(sizeof(C)); at += 64) __builtin_prefetch(bytes + at);
+}
+
+// A 16-token block's scores for query heads g: the accumulators have a fixed width, so they live in registers
+// (two chains, for the FMA's latency) instead of going through memory on every one of the head_dim steps.
+template <typename E>
+inline void scores_of_16(const float* qf, const E* block, int64_t D, int64_t G, float* scores, int64_t len,
+                         int64_t stop) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = qf + g * D;
+    float even[16] = {0.f}, odd[16] = {0.f};
+    int64_t d = 0;
+    for (; d + 1 < D; d += 2) {
+      const E* k0 = block + d * 16;
+      const E* k1 = k0 + 16;
+      const float q0 = qg[d], q1 = qg[d + 1];
+#pragma omp simd
+      for (int i = 0; i < 16; ++i) {
+        even[i] += q0 * as_float(k0[i]);
+        odd[i] += q1 * as_float(k1[i]);
+      }
+    }
+    if (d < D) {
+      const E* k0 = block + d * 16;
+#pragma omp simd
+      for (int i = 0; i < 16; ++i) even[i] += qg[d] * as_float(k0[i]);
+    }
+    float* row = scores + g * len;
+    for (int64_t i = 0; i < stop; ++i) row[i] = even[i] + odd[i];
+  }
+}
+
 template <typename Read>
 void block_scores(const float* qf, const typename Read::Stored* k, Read read, float* buffer, const int64_t* table,
                   int64_t len, const Shape& s, int64_t G, float* scores) {
   using E = typename Read::Elem;
   const int64_t D = s.head_dim, B = s.block_size;
   for (int64_t t0 = 0, b = 0; t0 < len; t0 += B, ++b) {
+    if (t0 + B < len) prefetch_block(k + table[b + 1] * B * D, B * D);
     const E* block = read(k + table[b] * B * D, B * D, buffer);
     const int64_t stop = std::min(B, len - t0);
+    if (B == 16) {
+      scores_of_16(qf, block, D, G, scores + t0, len, stop);
+      continue;
+    }
     for (int64_t g = 0; g < G; ++g) {
       float* row = scores + g * len + t0;
       const float* qg = qf + g * D;
-      float acc[256] = {0.f};  // block_size <= 256 (checked by the caller)
+      float acc[256];  // block_size <= 256 (checked by the caller); only B are used: zeroing all cost more than
+      std::fill(acc, acc + B, 0.f);  // the scores themselves at block size 16
       for (int64_t d = 0; d < D; ++d) {
         const float qd = qg[d];
         const E* keys = block + d * B;
@@ -116,6 +159,26 @@ void block_scores(const float* qf, const typename Read::Stored* k, Read read, fl
       std::copy(acc, acc + stop, row);
     }
   }
+}
+
+// One query head's weighted sum of the values (in place in the cache) with weights p: a head_dim of DD floats
+// accumulates in registers across the whole context, written out once.
+template <int DD, typename E>
+inline void weighted_values(const E* v, const int64_t* table, int64_t len, const Shape& s, const float* p,
+                            float* out) {
+  float acc[DD] = {0.f};
+  for (int64_t t = 0, b = 0; t < len; ++b) {
+    const int64_t stop = std::min(s.block_size, len - t);
+    const E* block = v + table[b] * s.block_size * DD;
+    if (t + stop < len) prefetch_block(v + table[b + 1] * s.block_size * DD, s.block_size * DD);
+    for (int64_t i = 0; i < stop; ++i, ++t) {
+      const float w = p[t];
+      const E* value = block + i * DD;
+#pragma omp simd
+      for (int d = 0; d < DD; ++d) acc[d] += w * as_float(value[d]);
+    }
+  }
+  std::copy(acc, acc + DD, out);
 }
 
 // Per-thread buffers of attend_one.
@@ -143,6 +206,19 @@ void attend_one(const T* q, const typename Read::Stored* k, const typename Read:
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < len; ++t) sum += row[t];
     out_scale[g] = scales.value / sum;
+  }
+  if constexpr (std::is_same<typename Read::Stored, E>::value) {  // read in place: nothing to dequantize per head
+    if (D == 32 || D == 64 || D == 128) {
+      for (int64_t g = 0; g < G; ++g) {
+        float* ag = buf.acc.data() + g * D;
+        if (D == 32) weighted_values<32>(v, table, len, s, scores + g * len, ag);
+        if (D == 64) weighted_values<64>(v, table, len, s, scores + g * len, ag);
+        if (D == 128) weighted_values<128>(v, table, len, s, scores + g * len, ag);
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<T>(buf.acc[g * D + d] * out_scale[g]);
+      return;
+    }
   }
   std::fill(buf.acc.begin(), buf.acc.end(), 0.f);
   for_each_token(v, read, buf.block.data(), table, len, s, [&](int64_t t, const E* value) {

@@ -33,20 +33,29 @@ class RecordingUpstream:
         if self.fail:
             raise ConnectionError("replica died")
         for i in range(self.count):
-            yield {
-                "id": "x",
-                "object": "chat.completion.chunk",
-                "choices": [{"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": None}],
-                "usage": {"prompt_tokens": 5, "completion_tokens": i + 1, "total_tokens": 6 + i},
-            }
-        yield {
-            "id": "x",
-            "choices": [],
-            "usage": {"prompt_tokens": 5, "completion_tokens": self.count, "total_tokens": 5 + self.count},
-        }
+            yield content_chunk(i)
+        yield usage_chunk(self.count)
 
     async def load(self) -> dict:
         return {"queued_prefill_tokens": 0}
+
+
+def content_chunk(i: int) -> dict:
+    """A fake replica's i-th token (t0, t1, ...) with its running usage (5 prompt tokens)."""
+    return {
+        "id": "x",
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": None}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": i + 1, "total_tokens": 6 + i},
+    }
+
+
+def usage_chunk(sent: int) -> dict:
+    return {
+        "id": "x",
+        "choices": [],
+        "usage": {"prompt_tokens": 5, "completion_tokens": sent, "total_tokens": 5 + sent},
+    }
 
 
 def gateway(demo_model_dir, quota, tier: str, upstream=None) -> Gateway:

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from tests.gateway.inprocess import inprocess_gateway
+from tests.gateway.test_admission import content_chunk, usage_chunk
 from tokenfleet.dispatch.queue import Dispatcher
 from tokenfleet.dispatch.tickets import Ticket
 from tokenfleet.dispatch.tiers import TierConfig
@@ -64,17 +65,8 @@ class TimedUpstream:
             for i in range(self.count):
                 await asyncio.sleep(self.per_token_s)
                 sent += 1
-                yield {
-                    "id": "x",
-                    "object": "chat.completion.chunk",
-                    "choices": [{"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": None}],
-                    "usage": {"prompt_tokens": 5, "completion_tokens": i + 1, "total_tokens": 6 + i},
-                }
-            yield {
-                "id": "x",
-                "choices": [],
-                "usage": {"prompt_tokens": 5, "completion_tokens": sent, "total_tokens": 5 + sent},
-            }
+                yield content_chunk(i)
+            yield usage_chunk(sent)
         except (GeneratorExit, asyncio.CancelledError):
             self.stopped.append(sent)
             self.stopped_at.append(time.monotonic())

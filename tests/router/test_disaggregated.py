@@ -316,8 +316,9 @@ class KillWhenBlocksArrive:
 
 def test_prefill_or_decode_replica_killed_mid_request(demo_model_dir, tmp_path):
     roles = {"prefill": ["p"], "decode": ["d1", "d2", "d3"]}
-    # the prefill replica computes 16 tokens a step: a long prompt's transfer lasts long enough to be cut
-    with disaggregated_fleet(demo_model_dir, tmp_path, roles, prefill_chunk=16) as fleet:
+    # the prefill replica computes 8 tokens a step: a long prompt's transfer (144 steps) lasts long enough to be cut
+    # after the watcher sees its first blocks, even on a loaded machine (at 16 a step it once finished first)
+    with disaggregated_fleet(demo_model_dir, tmp_path, roles, prefill_chunk=8) as fleet:
         urls = fleet["urls"]
         decoders = [urls["d1"], urls["d2"], urls["d3"]]
 

@@ -93,8 +93,6 @@ inline void for_each_token(const typename Read::Stored* cache, Read read, float*
   }
 }
 
-// Scores of query heads g (pre-scaled, float) against every context token. Keys are stored transposed inside a
-// block ([head_dim][block_size]), so a block's scores are head_dim vector multiply-adds, with no horizontal sums.
 // The next block of a sequence is anywhere in the cache (its table's order, not memory's): asked for ahead, it
 // arrives while this one is computed, where the hardware prefetcher would only start at its first miss.
 template <typename C>
@@ -132,6 +130,8 @@ inline void scores_of_16(const float* qf, const E* block, int64_t D, int64_t G, 
   }
 }
 
+// Scores of query heads g (pre-scaled, float) against every context token. Keys are stored transposed inside a
+// block ([head_dim][block_size]), so a block's scores are head_dim vector multiply-adds, with no horizontal sums.
 template <typename Read>
 void block_scores(const float* qf, const typename Read::Stored* k, Read read, float* buffer, const int64_t* table,
                   int64_t len, const Shape& s, int64_t G, float* scores) {
@@ -148,8 +148,7 @@ void block_scores(const float* qf, const typename Read::Stored* k, Read read, fl
     for (int64_t g = 0; g < G; ++g) {
       float* row = scores + g * len + t0;
       const float* qg = qf + g * D;
-      float acc[256];  // block_size <= 256 (checked by the caller); only B are used: zeroing all cost more than
-      std::fill(acc, acc + B, 0.f);  // the scores themselves at block size 16
+      float acc[256] = {0.f};  // block_size <= 256 (checked by the caller)
       for (int64_t d = 0; d < D; ++d) {
         const float qd = qg[d];
         const E* keys = block + d * B;
@@ -207,28 +206,25 @@ void attend_one(const T* q, const typename Read::Stored* k, const typename Read:
     for (int64_t t = 0; t < len; ++t) sum += row[t];
     out_scale[g] = scales.value / sum;
   }
-  if constexpr (std::is_same<typename Read::Stored, E>::value) {  // read in place: nothing to dequantize per head
-    if (D == 32 || D == 64 || D == 128) {
-      for (int64_t g = 0; g < G; ++g) {
-        float* ag = buf.acc.data() + g * D;
-        if (D == 32) weighted_values<32>(v, table, len, s, scores + g * len, ag);
-        if (D == 64) weighted_values<64>(v, table, len, s, scores + g * len, ag);
-        if (D == 128) weighted_values<128>(v, table, len, s, scores + g * len, ag);
-      }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<T>(buf.acc[g * D + d] * out_scale[g]);
-      return;
-    }
-  }
-  std::fill(buf.acc.begin(), buf.acc.end(), 0.f);
-  for_each_token(v, read, buf.block.data(), table, len, s, [&](int64_t t, const E* value) {
+  constexpr bool in_place = std::is_same<typename Read::Stored, E>::value;  // nothing to dequantize per head
+  if (in_place && (D == 32 || D == 64 || D == 128)) {
     for (int64_t g = 0; g < G; ++g) {
-      const float p = scores[g * len + t];
       float* ag = buf.acc.data() + g * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) ag[d] += p * as_float(value[d]);
+      if (D == 32) weighted_values<32>(v, table, len, s, scores + g * len, ag);
+      if (D == 64) weighted_values<64>(v, table, len, s, scores + g * len, ag);
+      if (D == 128) weighted_values<128>(v, table, len, s, scores + g * len, ag);
     }
-  });
+  } else {
+    std::fill(buf.acc.begin(), buf.acc.end(), 0.f);
+    for_each_token(v, read, buf.block.data(), table, len, s, [&](int64_t t, const E* value) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = scores[g * len + t];
+        float* ag = buf.acc.data() + g * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ag[d] += p * as_float(value[d]);
+      }
+    });
+  }
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<T>(buf.acc[g * D + d] * out_scale[g]);
 }

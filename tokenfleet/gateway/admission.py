@@ -108,11 +108,12 @@ class Admission(AdmissionCore):
             self._note_refused(caller)
             raise _refusal(refused.decision, tokens, caller) from None
         assert reserved.reservation is not None  # a gateway always keeps a quota
-        if self.ask_ahead:
-            self._note_room(caller, reserved.headers)
+        self._note_room(caller, reserved.headers)
         return Admitted(request_id, caller, reserved.reservation, headers=reserved.headers, ticket=reserved.ticket)
 
     def _note_room(self, caller: Caller, headers: Mapping[str, str] | None) -> None:
+        if not self.ask_ahead:  # what may_ask_ahead reads, kept only when it is asked
+            return
         if len(self._room) >= _MAX_CALLERS:
             self._room.clear()
         headers = headers or {}
@@ -123,6 +124,8 @@ class Admission(AdmissionCore):
         )
 
     def _note_refused(self, caller: Caller) -> None:
+        if not self.ask_ahead:
+            return
         if len(self._refused) >= _MAX_CALLERS:
             self._refused.clear()
         self._refused[caller.tenant] = time.monotonic()

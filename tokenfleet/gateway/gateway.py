@@ -146,8 +146,8 @@ class Gateway:
             if ahead is not None:
                 await asyncio.sleep(0)  # the queue's turn: a slot granted at once, as when the replica was asked
                 if not queued.done():  # the pool filled up meanwhile: the replica is asked again once in it
-                    ahead, cancelling = None, ahead
-                    self._spawn(cancelling.cancel())
+                    self._spawn(ahead.cancel())
+                    ahead = None
             with _current(_start_span("queue_wait", span)):
                 refusal = await self.safety(p.body, p.prompts[0])
                 if refusal:

@@ -1231,25 +1231,15 @@ def run_interleaved(
     """--interleave: every system up at once (idle ones wait on their sockets), and each run of each rate goes to
     every system in turn, the order reversed every other run, so that a machine whose speed drifts (as shared
     cloud cores do over minutes) slows every system alike. Our servers only, no gateway extras."""
-    rows, served_by, raws = {}, {}, {}
+    rows, starting, served_by, raws = {}, {}, {}, {}
     try:
         for system in systems:
             row: dict = {"system": system, "label": LABELS[system], "status": "ok", "rates": {}, "vllm_rates": {}}
             rows[system] = row
             servers, model = build_servers(system, args, model_dir, max_len, run_dir, ports)
             row["commands"] = [" ".join(shlex.quote(c) for c in s.cmd) for s in servers]
-            served_by[system] = Served(system, servers, model, model_dir, {})
-            t = time.perf_counter()
-            for s in servers:
-                s.start()
-                row[f"ready_s_{s.name}"] = s.wait_healthy(args.start_timeout)
-            row["ready_s"] = time.perf_counter() - t
-            served_by[system].headers = auth_headers(servers[-1])
-            warm = asyncio.run(run_warmup(system, servers[-1].base, model, wl["warmup"], served_by[system].headers))
-            bad = [r["error"] for r in warm if not r["ok"]]
-            if bad:
-                raise RuntimeError(f"{system}: warm-up failed: {bad[:2]}")
-            print(f"[{system}] ready in {row['ready_s']:.1f}s", flush=True)
+            starting[system] = servers  # stopped at the end, whatever happens from here on
+            served_by[system] = start_served(system, servers, model, model_dir, args, wl, row)
             raws[system] = {}
         busy = wait_idle(args.wait_idle, "all")  # once: every system is up and idle now
         for row in rows.values():
@@ -1269,10 +1259,33 @@ def run_interleaved(
             if raw:
                 (run_dir / f"requests_{system}.json").write_text(json.dumps(raw))
     finally:
-        for served in served_by.values():
-            for s in reversed(served.servers):
-                rows[served.system].setdefault("stopped", {})[s.name] = s.stop(args.stop_timeout)
+        for system, servers in starting.items():
+            for s in reversed(servers):
+                rows[system].setdefault("stopped", {})[s.name] = s.stop(args.stop_timeout)
     return list(rows.values())
+
+
+def start_served(system: str, servers: list[Server], model: str, model_dir: Path, args, wl: dict, row: dict) -> Served:
+    """Starts a system's servers, waits until each is healthy and warms them up (the row gets the times); raises
+    when the warm-up fails."""
+    t = time.perf_counter()
+    for s in servers:
+        s.start()
+        row[f"ready_s_{s.name}"] = s.wait_healthy(args.start_timeout)
+    row["ready_s"] = time.perf_counter() - t
+    headers = auth_headers(servers[-1])
+    t = time.perf_counter()
+    warm = asyncio.run(run_warmup(system, servers[-1].base, model, wl["warmup"], headers))
+    row["warmup_s"] = time.perf_counter() - t
+    bad = [r["error"] for r in warm if not r["ok"]]
+    if bad:
+        raise RuntimeError(f"warm-up failed: {bad[:2]}")
+    print(
+        f"[{system}] ready in {row['ready_s']:.1f}s, warm-up {row['warmup_s']:.1f}s (logs: "
+        f"{', '.join(str(s.log) for s in servers)})",
+        flush=True,
+    )
+    return Served(system, servers, model, model_dir, headers)
 
 
 def run_system(
@@ -1294,26 +1307,10 @@ def run_system(
         return row
     row["commands"] = [" ".join(shlex.quote(c) for c in s.cmd) for s in servers]
     row["cpu_busy_before_start"] = wait_idle(args.wait_idle, system)
-    target = servers[-1]
     t_sys = time.perf_counter()
     try:
-        for s in servers:
-            s.start()
-            row[f"ready_s_{s.name}"] = s.wait_healthy(args.start_timeout)
-        row["ready_s"] = time.perf_counter() - t_sys
-        headers = auth_headers(target)
-        t = time.perf_counter()
-        warm = asyncio.run(run_warmup(system, target.base, model, wl["warmup"], headers))
-        row["warmup_s"] = time.perf_counter() - t
-        bad = [r["error"] for r in warm if not r["ok"]]
-        if bad:
-            raise RuntimeError(f"warm-up failed: {bad[:2]}")
-        print(
-            f"[{system}] ready in {row['ready_s']:.1f}s, warm-up {row['warmup_s']:.1f}s (logs: "
-            f"{', '.join(str(s.log) for s in servers)})",
-            flush=True,
-        )
-        served = Served(system, servers, model, model_dir, headers)
+        served = start_served(system, servers, model, model_dir, args, wl, row)
+        headers = served.headers
         raw = measure_rates(served, args, wl, vllm_client, run_dir, row)
         if raw:
             (run_dir / f"requests_{system}.json").write_text(json.dumps(raw))

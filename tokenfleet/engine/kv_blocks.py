@@ -69,6 +69,11 @@ class KVBlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_plain) + len(self.free_cached) + self.num_blocks - len(self.ref_counts)
 
+    @property
+    def num_used_blocks(self) -> int:
+        """Block ids below this have been handed out at least once; the never-used ones follow, taken in id order."""
+        return len(self.ref_counts)
+
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 

@@ -21,6 +21,7 @@ from tokenfleet.engine.memory import (
     plan_cpu_memory,
     plan_gpu_memory,
 )
+from tokenfleet.engine.prefault import CachePrefaulter
 from tokenfleet.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tokenfleet.engine.step_inputs import InputBuilder, StepInputs
 from tokenfleet.model.attention import AttentionMetadata, PagedAttention, PrefillChunk
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 GIB = 1 << 30
+PREFAULT_AHEAD_BYTES = 256 << 20  # of KV cache faulted in while idle, past what is in use (engine/prefault.py)
 CALIBRATION_TOKENS = 256  # one prefill of this many fixed pseudo-random tokens sets an 8-bit cache's scales
 DecodeKernel = Callable[..., torch.Tensor]  # a fused paged decode attention op (see model/cpu_kernels.py)
 
@@ -66,6 +68,7 @@ class ModelRunner:
         self._host_cache: torch.Tensor | None = None  # the swap space, allocated at the first swap-out
         if draft is not None:
             draft.allocate(self.num_blocks, self.num_host_blocks)
+        self.prefaulter = self._prefaulter(config) if device.type == "cpu" else None
         kv_dtype = str(self.kv_dtype).removeprefix("torch.")
         log.info(
             "KV cache: %.2f GiB, %d blocks of %d tokens = %d tokens (%s): %s",
@@ -127,6 +130,19 @@ class ModelRunner:
                 f"{bytes_per_block} bytes; raise kv_cache_gib or gpu_memory_utilization"
             )
         return num_blocks
+
+    def _prefaulter(self, config: EngineConfig) -> CachePrefaulter:
+        """Keeps PREFAULT_AHEAD_BYTES of blocks past the highest used faulted in, and at least four steps of full
+        prefill chunks (the demo model: 8,192 blocks, the KV of ~30 prompts of 4,000 tokens)."""
+        caches = [self.kv_cache] + ([self.draft.cache] if self.draft is not None else [])
+        bytes_per_block = sum(c.numel() * c.element_size() for c in caches) // self.num_blocks
+        four_steps = 4 * -(-config.max_num_batched_tokens // config.block_size)
+        return CachePrefaulter(caches, self.num_blocks, max(four_steps, PREFAULT_AHEAD_BYTES // bytes_per_block))
+
+    def keep_cache_ahead_of(self, used_blocks: int) -> None:
+        """`used_blocks`: block ids below it have been handed out at least once (on CPU, fault in what follows)."""
+        if self.prefaulter is not None:
+            self.prefaulter.keep_ahead_of(used_blocks)
 
     def _device_cache(self) -> torch.Tensor:
         return device_cache(self.block_shape, self.num_blocks, self.kv_dtype, self.device)
@@ -242,7 +258,7 @@ def device_cache(
     block_shape: tuple[int, ...], num_blocks: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """[layers, 2, KV heads, blocks, block elements], zeroed. On CPU its pages are committed as blocks are first
-    written (huge pages where Linux gives them)."""
+    written (huge pages where Linux gives them), or a little ahead of that while the engine is idle (prefault.py)."""
     layers, kv, heads, block_elems = block_shape
     shape = (layers, kv, heads, num_blocks, block_elems)
     if device.type != "cpu":

@@ -43,6 +43,8 @@ DONE_MARK = "built"  # written after a build succeeded: the library next to it i
 BUILD_LOG = "build.log"  # what background builds said
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
+MADV_POPULATE_WRITE = 23  # Linux 5.14+
+PAGE = 4096
 DecodeOp = Callable[..., torch.Tensor]
 _background = threading.Event()  # set by build_in_background(): this process's engines do not wait for a build
 
@@ -211,7 +213,7 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     if tensor.device.type != "cpu" or not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc = _libc()
         start = tensor.data_ptr()
         end = start + tensor.numel() * tensor.element_size()
         aligned = (start + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
@@ -220,6 +222,25 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
         return libc.madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(end - aligned), MADV_HUGEPAGE) == 0
     except (OSError, AttributeError):
         return False
+
+
+def populate_for_write(address: int, length: int) -> bool:
+    """Faults in [address, address + length) of anonymous memory as if written, without changing a byte: the kernel
+    allocates and zeroes the pages now instead of at the first store (safe while other threads use the memory).
+    The GIL is released meanwhile. False where Linux cannot (before 5.14) or the range is not mapped."""
+    if not sys.platform.startswith("linux"):
+        return False
+    start = address & ~(PAGE - 1)
+    try:
+        libc = _libc()
+    except OSError:
+        return False
+    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(address + length - start), MADV_POPULATE_WRITE) == 0
+
+
+@cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
 def build_main(folder: str) -> int:

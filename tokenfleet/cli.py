@@ -95,9 +95,9 @@ def add_model_server_arguments(
     parser: argparse.ArgumentParser, port: int, model_required: bool, name_help: str | None = None
 ) -> None:
     """What a process serving a model takes first: the engine's options, where to listen, the model's name."""
-    from tokenfleet.engine.config import add_engine_arguments
+    from tokenfleet.engine.config import SERVER_DEFAULTS, add_engine_arguments
 
-    add_engine_arguments(parser, model_required=model_required)
+    add_engine_arguments(parser, model_required=model_required, defaults=SERVER_DEFAULTS)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=port)
     parser.add_argument("--served-model-name", default=None, help=name_help)

@@ -170,9 +170,18 @@ class EngineConfig:
         return torch.device(self.device)
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
-    """One --flag per EngineConfig field (underscores become dashes), with the field's default and type."""
+# A server's step budget: a new request waits for the step in flight, so shorter prefill steps cut the first token's
+# tail under load; offline, the larger default's fewer steps win (docs/benchmarks/served_saturation.md).
+SERVER_DEFAULTS: dict[str, Any] = {"max_num_batched_tokens": 1024}
+
+
+def add_engine_arguments(
+    parser: argparse.ArgumentParser, model_required: bool = True, defaults: dict[str, Any] | None = None
+) -> None:
+    """One --flag per EngineConfig field (underscores become dashes), with the field's type and default (or the
+    one `defaults` gives it)."""
     hints = typing.get_type_hints(EngineConfig)
+    defaults = defaults or {}
     for f in fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
@@ -182,7 +191,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_required: bool =
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         else:
             base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
-            default = None if f.default is MISSING else f.default
+            default = defaults.get(f.name, None if f.default is MISSING else f.default)
             parser.add_argument(
                 flag,
                 type=f.metadata.get("parse", base),

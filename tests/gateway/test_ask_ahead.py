@@ -76,6 +76,68 @@ class TimedUpstream:
         return {"queued_prefill_tokens": 0}
 
 
+class GatedQuota(SlowQuota):
+    """Allows every request, with room to spare; the reservation whose turn (0, 1, ...) has an event in `gates`
+    answers only once that event is set (`waiting` is set meanwhile)."""
+
+    def __init__(self, gates: dict[int, asyncio.Event]) -> None:
+        super().__init__([ROOM] * 8, delay_s=0.0)
+        self.gates, self.calls, self.waiting = gates, 0, asyncio.Event()
+
+    async def reserve(self, request_id, scopes, tokens, tier="default"):
+        gate = self.gates.get(self.calls)
+        self.calls += 1
+        if gate is not None:
+            self.waiting.set()
+            await gate.wait()
+        return await super().reserve(request_id, scopes, tokens, tier)
+
+
+class HeldUpstream(TimedUpstream):
+    """A replica whose streams are told apart: the n-th stream of prompt p says `p<n>:t0`, `p<n>:t1`, ...; the first
+    stream of a prompt with an event in `held` stops after its first token until that event is set. `log` has what
+    happened to each stream, in order: asked, then ended or stopped (closed before its end)."""
+
+    def __init__(self, held: dict[str, asyncio.Event]) -> None:
+        super().__init__()
+        self.held, self.log, self.streams = held, [], {}
+
+    async def stream(self, kind: str, body: dict):
+        prompt = body["messages"][0]["content"]
+        self.streams[prompt] = self.streams.get(prompt, 0) + 1
+        name, hold = f"{prompt}{self.streams[prompt]}", self.held.pop(prompt, None)
+        self.log.append(("asked", name))
+        sent = 0
+        try:
+            for i in range(self.count):
+                chunk = content_chunk(i)
+                chunk["choices"][0]["delta"]["content"] = f"{name}:t{i}"
+                sent += 1
+                yield chunk
+                if hold is not None:
+                    await hold.wait()
+                    hold = None
+            yield usage_chunk(sent)
+        except (GeneratorExit, asyncio.CancelledError):
+            self.log.append(("stopped", name))
+            raise
+        self.log.append(("ended", name))
+
+
+class UsageLog:
+    """Stands in for the usage recorder: the requests whose usage rows were opened, and their final events."""
+
+    def __init__(self) -> None:
+        self.opened: list[str] = []
+        self.closed: list = []
+
+    def started(self, request_id: str, snapshot) -> None:
+        self.opened.append(request_id)
+
+    def finished(self, event) -> None:
+        self.closed.append(event)
+
+
 def ahead_gateway(demo_model_dir, quota, upstream, ask_ahead: bool = True, **options) -> Gateway:
     gw = inprocess_gateway(demo_model_dir, [upstream], open_tier="paid", quota=quota, **options)
     gw.admission.ask_ahead = ask_ahead
@@ -86,6 +148,15 @@ async def post_all(gw: Gateway, count: int) -> list[httpx.Response]:
     transport = httpx.ASGITransport(app=create_gateway_app(gw))
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
         return [await client.post("/v1/chat/completions", json=CHAT) for _ in range(count)]
+
+
+async def until(condition, timeout_s: float = 10.0) -> None:
+    """Waits for a state of the gateway (not for a time): fails if it is not reached within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail("the gateway never got there")
+        await asyncio.sleep(0.001)
 
 
 def test_a_caller_with_room_has_its_replica_asked_before_the_quota_answers(demo_model_dir):
@@ -138,6 +209,76 @@ def test_a_refused_request_asked_ahead_is_stopped_and_its_tenant_checked_first_a
     assert upstream.asked_at[2] > quota.answered_at[2] and upstream.asked_at[3] > quota.answered_at[3]
     assert len(quota.reconciled) == 3  # the refused one held nothing
     assert not gw.buffer._logs or set(gw.buffer._logs) <= {r.headers["x-request-id"] for r in (first, after, again)}
+
+
+def test_a_request_asked_ahead_that_finds_the_pool_full_is_stopped_and_asked_again_once_it_has_a_slot(
+    demo_model_dir,
+):
+    # b is asked ahead while the pool's one slot is free; its reservation answers only after c took that slot
+    quota_answers, c_may_end = asyncio.Event(), asyncio.Event()
+    quota = GatedQuota({1: quota_answers})  # reservations: a, b, c
+    upstream = HeldUpstream({"b": asyncio.Event(), "c": c_may_end})  # b's first stream is never let go on
+    gw = ahead_gateway(demo_model_dir, quota, upstream)
+    usage = gw.usage = UsageLog()
+    dispatcher = gw.admission.dispatchers["tiny"]
+    dispatcher.set_slots(1)
+    asked_ahead, ask_ahead = [], gw._ask_ahead  # kept alive: the gateway must close b's stream itself, not the GC
+
+    def keep_asked_ahead(*args):
+        ahead = ask_ahead(*args)
+        asked_ahead.extend([ahead] if ahead is not None else [])
+        return ahead
+
+    gw._ask_ahead = keep_asked_ahead
+
+    async def main() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
+        transport = httpx.ASGITransport(app=create_gateway_app(gw))
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+
+            def post(prompt: str) -> asyncio.Future[httpx.Response]:
+                body = {**CHAT, "messages": [{"role": "user", "content": prompt}]}
+                return asyncio.ensure_future(client.post("/v1/chat/completions", json=body))
+
+            a = await post("a")  # no room on record yet: the quota first; it leaves room for the next ones
+            await until(lambda: dispatcher.snapshot().in_use == 0)
+            b = post("b")
+            await until(lambda: ("asked", "b1") in upstream.log and quota.waiting.is_set())  # asked ahead
+            c = post("c")
+            await until(lambda: ("asked", "c1") in upstream.log and dispatcher.snapshot().in_use == 1)
+            assert len(asked_ahead) == 2  # b's and c's
+            quota_answers.set()  # b is admitted, and finds the pool full
+            await until(lambda: ("stopped", "b1") in upstream.log)
+            await until(lambda: dispatcher.snapshot().queued == 1)
+            for _ in range(100):  # however long c holds its slot, b waits its turn, asked nothing more
+                await asyncio.sleep(0)
+            assert not b.done() and upstream.streams["b"] == 1 and len(gw.relays) == 2  # a's and c's
+            assert dispatcher.snapshot().in_use == 1 and dispatcher.snapshot().queued == 1
+            c_may_end.set()
+            responses = a, await b, await c
+            await until(lambda: len(quota.reconciled) == 3 and len(usage.closed) == 3 and not gw._background)
+        return responses
+
+    a, b, c = asyncio.run(main())
+    for r, name in ((a, "a1"), (b, "b2"), (c, "c1")):
+        assert r.status_code == 200, r.text
+        assert "".join(_contents(r.text)) == "".join(f"{name}:t{i}" for i in range(4))
+        assert r.text.rstrip().endswith("data: [DONE]") and r.text.count("[DONE]") == 1
+        assert "b1:" not in r.text  # nothing of the stream asked ahead reached a client
+    assert upstream.log == [
+        ("asked", "a1"),
+        ("ended", "a1"),
+        ("asked", "b1"),  # ahead of its reservation
+        ("asked", "c1"),  # c takes the last slot meanwhile
+        ("stopped", "b1"),  # b is admitted into a full pool: its early stream is closed
+        ("ended", "c1"),  # c's slot is freed...
+        ("asked", "b2"),  # ...and only then is the replica asked again for b
+        ("ended", "b2"),
+    ]
+    b_id = b.headers["x-request-id"]
+    assert [used for request_id, used in quota.reconciled if request_id == b_id] == [9]  # reconciled once
+    assert usage.opened.count(b_id) == 1
+    [billed] = [event for event in usage.closed if event.request_id == b_id]  # one usage record, the served one
+    assert billed.status == "finished" and billed.output_tokens == 4 and billed.replica == "timed"
 
 
 def test_no_request_is_asked_ahead_when_a_safety_hook_must_see_it(demo_model_dir):

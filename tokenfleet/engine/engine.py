@@ -247,7 +247,7 @@ class Engine:
         if self.speculator is not None:
             self.speculator.plan(self.scheduler.running)
         out = self.scheduler.schedule()
-        self.runner.keep_cache_ahead_of(self.blocks.num_used_blocks)  # in the background, beside this step
+        self.runner.keep_cache_ahead_of(self.blocks.num_used_blocks)  # faulted in by a thread once the engine idles
         scheduled = time.perf_counter()
         proposed = scheduled
         try:

@@ -20,6 +20,7 @@ import ctypes.util
 import fcntl
 import hashlib
 import logging
+import mmap
 import os
 import platform
 import subprocess
@@ -44,7 +45,7 @@ BUILD_LOG = "build.log"  # what background builds said
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23  # Linux 5.14+
-PAGE = 4096
+PAGE = mmap.PAGESIZE
 DecodeOp = Callable[..., torch.Tensor]
 _background = threading.Event()  # set by build_in_background(): this process's engines do not wait for a build
 

@@ -4,6 +4,7 @@ and what latency a decision adds. Run by hand, never from the test suite:
 
     python bench/quota_decisions.py                       # 300 tenants, 1/16/64 pairs in flight, 3 x 5 s, medians
     python bench/quota_decisions.py --seconds 2 --repeats 1 --concurrency 1,64
+    python bench/quota_decisions.py --rate 10000 --concurrency 64   # open loop: 10,000 pairs/s offered, <= 64 at once
 
 Workload: --tenants organisations with 10 users each; every pair picks a random (organisation, user), reserves
 200-2000 tokens on both scopes (the "paid" tier's default limits: generous, so nearly every request is admitted and
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import random
 import shutil
@@ -80,32 +82,59 @@ class Window:
         self.server_cpu = server / os.sysconf("SC_CLK_TCK")  # redis-server's CPU seconds (all its clients')
 
 
-async def pairs(quota, tenants: int, concurrency: int, seconds: float, seed: int) -> dict:
+async def pairs(quota, tenants: int, concurrency: int, seconds: float, seed: int, rate: float | None = None) -> dict:
+    """Closed loop (rate None): `concurrency` workers, each starting its next pair when its last one ends. Open loop:
+    pairs arrive at `rate` per second (Poisson), at most `concurrency` in flight; a reserve's latency counts from its
+    scheduled arrival, so waiting for a free place (or for a late generator) is part of it."""
     rng = random.Random(seed)
     reserve_ms: list[float] = []
     reconcile_ms: list[float] = []
     refused = 0
     deadline = time.perf_counter() + seconds
 
-    async def worker(w: int) -> None:
+    async def pair(name: str, start: float) -> None:
         nonlocal refused
+        t, u = rng.randrange(tenants), rng.randrange(10)
+        scopes = [Scope(f"org:t{t}", f"t{t}", ORG), Scope(f"user:t{t}/{u}", f"t{t}", USER)]
+        tokens = rng.randint(200, 2000)
+        decision = await quota.reserve(name, scopes, tokens, "paid")
+        mid = time.perf_counter()
+        reserve_ms.append((mid - start) * 1000)
+        if not decision.allowed:
+            refused += 1
+            return
+        await quota.reconcile(decision.reservation, int(tokens * rng.uniform(0.1, 1.0)))
+        reconcile_ms.append((time.perf_counter() - mid) * 1000)
+
+    async def worker(w: int) -> None:
         i = 0
         while time.perf_counter() < deadline:
-            t, u = rng.randrange(tenants), rng.randrange(10)
-            scopes = [Scope(f"org:t{t}", f"t{t}", ORG), Scope(f"user:t{t}/{u}", f"t{t}", USER)]
-            tokens = rng.randint(200, 2000)
-            start = time.perf_counter()
-            decision = await quota.reserve(f"w{w}-{i}-{seed}", scopes, tokens, "paid")
-            mid = time.perf_counter()
-            reserve_ms.append((mid - start) * 1000)
+            await pair(f"w{w}-{i}-{seed}", time.perf_counter())
             i += 1
-            if not decision.allowed:
-                refused += 1
-                continue
-            await quota.reconcile(decision.reservation, int(tokens * rng.uniform(0.1, 1.0)))
-            reconcile_ms.append((time.perf_counter() - mid) * 1000)
 
-    await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    async def arrivals() -> None:
+        places = asyncio.Semaphore(concurrency)
+
+        async def arrive(i: int, at: float) -> None:
+            async with places:
+                await pair(f"o{i}-{seed}", at)
+
+        in_flight: set[asyncio.Task] = set()  # only these: thousands of finished ones kept would slow the collector
+        at, i = time.perf_counter(), 0
+        while at < deadline:
+            at += rng.expovariate(rate)
+            if (wait := at - time.perf_counter()) > 0:
+                await asyncio.sleep(wait)
+            task = asyncio.create_task(arrive(i, at))
+            in_flight.add(task)
+            task.add_done_callback(in_flight.discard)
+            i += 1
+        await asyncio.gather(*in_flight)
+
+    if rate is None:
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    else:
+        await arrivals()
     return {"decisions": len(reserve_ms), "refused": refused, "reserve_ms": reserve_ms, "reconcile_ms": reconcile_ms}
 
 
@@ -152,8 +181,10 @@ def measure(
         if kind == "redis-py":
             return await raw_evalsha(args.url, args.pool, concurrency, args.seconds)
         quota = MemoryQuota() if kind == "memory" else RedisQuota.from_url(args.url, prefix, max_connections=args.pool)
+        gc.collect()
+        gc.freeze()  # as a gateway does once started (gateway/app.py): its heap out of the collector's sight
         try:
-            result = await pairs(quota, args.tenants, concurrency, args.seconds, seed)
+            result = await pairs(quota, args.tenants, concurrency, args.seconds, seed, args.rate)
         finally:
             await quota.close()
         batcher = getattr(getattr(quota, "store", None), "batcher", None)  # none before batching (issue 25)
@@ -248,6 +279,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--benchmark-requests", type=int, default=200_000)
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="open loop: pairs arrive at this rate (Poisson), --concurrency caps those in flight; the quota only",
+    )
     args = parser.parse_args()
 
     sync = redis.Redis.from_url(args.url)
@@ -256,7 +293,7 @@ def main() -> None:
     rows = []
     try:
         for concurrency in (int(c) for c in args.concurrency.split(",")):
-            for kind in ("redis", "memory", "redis-py"):
+            for kind in ("redis", "memory", "redis-py") if args.rate is None else ("redis",):
                 runs = [measure(kind, args, concurrency, seed, sync, redis_pid, prefix) for seed in range(args.repeats)]
                 rows.append(summarize(runs))
                 print(f"# {kind} x{concurrency}: {rows[-1]['per_s']:.0f}/s", file=sys.stderr, flush=True)
@@ -268,7 +305,9 @@ def main() -> None:
     print(
         f"python {sys.version.split()[0]}, redis-py {redis.__version__} ({parser_name} reply parser), redis-server "
         f"{sync.info('server')['redis_version']}, {os.cpu_count()} cores, {args.tenants} tenants x 10 users, "
-        f"pool {args.pool}, {args.repeats} x {args.seconds:g} s per row (medians)\n"
+        f"pool {args.pool}, {args.repeats} x {args.seconds:g} s per row (medians)"
+        + (f"; open loop: {args.rate:g} pairs/s offered, 'in flight' is the cap" if args.rate else "")
+        + "\n"
     )
     report(rows)
     print("\nredis-benchmark (-c 50, C client):")

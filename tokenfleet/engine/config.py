@@ -185,13 +185,13 @@ def add_engine_arguments(
     for f in fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
+        default = defaults.get(f.name, None if f.default is MISSING else f.default)
         if f.name == "model":
             parser.add_argument(flag, required=model_required, default=None, help="Hugging Face checkpoint folder")
         elif kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
         else:
             base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
-            default = defaults.get(f.name, None if f.default is MISSING else f.default)
             parser.add_argument(
                 flag,
                 type=f.metadata.get("parse", base),

@@ -68,7 +68,7 @@ class ModelRunner:
         self._host_cache: torch.Tensor | None = None  # the swap space, allocated at the first swap-out
         if draft is not None:
             draft.allocate(self.num_blocks, self.num_host_blocks)
-        self.prefaulter = self._prefaulter(config) if device.type == "cpu" else None
+        self.prefaulter = self._prefaulter(config, bytes_per_block) if device.type == "cpu" else None
         kv_dtype = str(self.kv_dtype).removeprefix("torch.")
         log.info(
             "KV cache: %.2f GiB, %d blocks of %d tokens = %d tokens (%s): %s",
@@ -131,11 +131,11 @@ class ModelRunner:
             )
         return num_blocks
 
-    def _prefaulter(self, config: EngineConfig) -> CachePrefaulter:
+    def _prefaulter(self, config: EngineConfig, bytes_per_block: int) -> CachePrefaulter:
         """Keeps PREFAULT_AHEAD_BYTES of blocks past the highest used faulted in, and at least four steps of full
-        prefill chunks (the demo model: 8,192 blocks, the KV of ~30 prompts of 4,000 tokens)."""
+        prefill chunks (the demo model: 8,192 blocks, the KV of ~30 prompts of 4,000 tokens). `bytes_per_block`: of
+        every cache a block id has (the draft's too), as the memory plan counted them."""
         caches = [self.kv_cache] + ([self.draft.cache] if self.draft is not None else [])
-        bytes_per_block = sum(c.numel() * c.element_size() for c in caches) // self.num_blocks
         four_steps = 4 * -(-config.max_num_batched_tokens // config.block_size)
         return CachePrefaulter(caches, self.num_blocks, max(four_steps, PREFAULT_AHEAD_BYTES // bytes_per_block))
 

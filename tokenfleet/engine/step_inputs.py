@@ -1,5 +1,8 @@
 """A step's flat model inputs: decode rows first, then prefill chunks, with their attention metadata.
 
+With the CPU kernel, a step's prefill chunks attend in one call per layer straight over the paged cache (a
+PrefillBatch); without it, each chunk attends alone over its gathered context.
+
 A decode row is one token attended over its paged context as a decode. A request that decodes with speculative
 proposals gives one row per token it computes (its last token, then each proposal), each attending to the
 context up to its own position: every row's key and value are written into the cache before any row attends, so
@@ -16,7 +19,7 @@ import torch
 
 from tokenfleet.engine.request import Request
 from tokenfleet.engine.scheduler import ScheduledChunk
-from tokenfleet.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from tokenfleet.model.attention import AttentionMetadata, DecodeGroup, PrefillBatch, PrefillChunk
 
 
 @dataclass
@@ -69,11 +72,14 @@ class InputBuilder:
                 sampled.append(chunk)
             next_row += len(rows)
         prefill_meta = []
+        batch = self._prefill_batch(len(ids), prefills) if self.uses_kernel and prefills else None
         for chunk in prefills:
             req, start, n = chunk.req, chunk.req.num_computed_tokens, chunk.num_tokens
             table = torch.tensor(req.block_table)
             pos = torch.arange(start, start + n)
-            prefill_meta.append(self._prefill_chunk(len(ids), start, n, table))
+            prefill_meta.append(
+                PrefillChunk(len(ids), n, None, None) if batch else self._prefill_chunk(len(ids), start, n, table)
+            )
             ids.extend(req.token_ids[start : start + n])
             positions.append(pos)
             blocks.append(table[pos // self.block_size])
@@ -81,7 +87,7 @@ class InputBuilder:
             if chunk.samples:
                 logits.append(len(ids) - 1)
                 sampled.append(chunk)
-        return self._inputs(ids, positions, blocks, offsets, groups, prefill_meta, logits, sampled)
+        return self._inputs(ids, positions, blocks, offsets, groups, prefill_meta, logits, sampled, batch)
 
     def for_rows(self, rows: Sequence[DecodeRow]) -> StepInputs:
         """Decode rows alone (a draft model's pass), logits for every row in the given order."""
@@ -98,9 +104,15 @@ class InputBuilder:
         prefills: list[PrefillChunk],
         logits: list[int],
         sampled: list[ScheduledChunk],
+        batch: PrefillBatch | None = None,
     ) -> StepInputs:
         meta = AttentionMetadata(
-            torch.cat(blocks).to(self.device), torch.cat(offsets).to(self.device), self.block_size, groups, prefills
+            torch.cat(blocks).to(self.device),
+            torch.cat(offsets).to(self.device),
+            self.block_size,
+            groups,
+            prefills,
+            batch,
         )
         return StepInputs(
             torch.tensor(ids, device=self.device),
@@ -157,6 +169,21 @@ class InputBuilder:
         """A boolean 'masked out' tensor as an additive attention mask in the model's dtype."""
         mask = torch.zeros(hidden.shape, dtype=self.dtype)
         return mask.masked_fill_(hidden, float("-inf")).to(self.device)
+
+    def _prefill_batch(self, row_start: int, chunks: list[ScheduledChunk]) -> PrefillBatch:
+        """The chunks for the kernel: each sequence's table up to the blocks its chunk reaches, padded alike."""
+        bs = self.block_size
+        starts = [c.req.num_computed_tokens for c in chunks]
+        lens = [c.num_tokens for c in chunks]
+        widths = [-(-(start + n) // bs) for start, n in zip(starts, lens)]
+        width = max(widths)
+        tables = [c.req.block_table[:w] + [0] * (width - w) for c, w in zip(chunks, widths)]
+        return PrefillBatch(
+            row_start,
+            torch.tensor(tables, dtype=torch.long, device=self.device),
+            torch.tensor(lens, dtype=torch.long, device=self.device),
+            torch.tensor(starts, dtype=torch.long, device=self.device),
+        )
 
     def _prefill_chunk(self, query_start: int, start: int, n: int, table: torch.Tensor) -> PrefillChunk:
         if start == 0:

@@ -38,7 +38,7 @@ from tokenfleet.engine.config import EngineConfig
 from tokenfleet.engine.runner import ModelRunner
 from tokenfleet.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tokenfleet.engine.step_inputs import StepInputs
-from tokenfleet.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from tokenfleet.model.attention import AttentionMetadata, DecodeGroup, PrefillBatch, PrefillChunk
 from tokenfleet.model.config import ModelConfig
 from tokenfleet.model.llama import LlamaForCausalLM
 from tokenfleet.model.loader import load_model
@@ -119,6 +119,8 @@ def meta_to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
     def move(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(device)
 
+    batch = meta.prefill_batch
+
     return AttentionMetadata(
         meta.slot_blocks.to(device),
         meta.slot_offsets.to(device),
@@ -136,6 +138,11 @@ def meta_to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
             )
             for c in meta.prefills
         ],
+        None
+        if batch is None
+        else PrefillBatch(
+            batch.row_start, batch.block_tables.to(device), batch.query_lens.to(device), batch.context_starts.to(device)
+        ),
     )
 
 

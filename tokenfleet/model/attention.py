@@ -46,12 +46,24 @@ class DecodeGroup:
 
 
 @dataclass
+class PrefillBatch:
+    """A step's prefill chunks for the CPU kernel, which attends them all in one call straight over the paged cache
+    (the chunks' own keys and values are written there first). The chunks' rows are the step's last rows."""
+
+    row_start: int  # the first chunk's first row in the step's flat layout
+    block_tables: torch.Tensor  # [C, W] int64, each chunk's sequence's table padded to W blocks
+    query_lens: torch.Tensor  # [C] int64
+    context_starts: torch.Tensor  # [C] int64: tokens of the sequence before the chunk (its first row's position)
+
+
+@dataclass
 class AttentionMetadata:
     slot_blocks: torch.Tensor  # [T] block that receives each new token's key and value
     slot_offsets: torch.Tensor  # [T] position inside that block
     block_size: int
     decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
+    prefill_batch: PrefillBatch | None = None  # set when the chunks go through the CPU kernel (prefills then unused)
 
 
 class PagedAttention(torch.nn.Module):
@@ -73,10 +85,30 @@ class PagedAttention(torch.nn.Module):
         for group in meta.decodes:
             rows = slice(group.start, group.start + group.size)
             out[rows] = self._decode(q[rows], kv_cache, group, meta.block_size)
+        if meta.prefill_batch is not None:
+            out[meta.prefill_batch.row_start :] = self._prefill_batch(q, kv_cache, meta.prefill_batch, meta.block_size)
+            return out.view(q.shape[0], -1)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], k_blocks, v_blocks, chunk)
         return out.view(q.shape[0], -1)
+
+    def _prefill_batch(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, batch: PrefillBatch, block_size: int
+    ) -> torch.Tensor:
+        """Every prefill chunk of the step through the CPU kernel (loaded whenever a builder makes a batch)."""
+        return torch.ops.tokenfleet.paged_prefill_attention(
+            q[batch.row_start :].contiguous(),
+            kv_cache[0],
+            kv_cache[1],
+            batch.block_tables,
+            batch.query_lens,
+            batch.context_starts,
+            block_size,
+            self.scale,
+            self.kv_scales.k,
+            self.kv_scales.v,
+        )
 
     def _store(
         self, k: torch.Tensor, v: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, meta: AttentionMetadata

@@ -40,6 +40,13 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
 
+def packable(dtype: torch.dtype) -> bool:
+    """oneDNN's bfloat16 GEMM needs AVX-512 (or AVX-NE-CONVERT); on an AVX2-only CPU bfloat16 layers stay on MKL."""
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype in PACKED_DTYPES
+
+
 def pack_cpu_linears(model: nn.Module) -> int:
     """Swaps the decoder's plain nn.Linear layers (not quantized or tensor-parallel ones, not the LM head) for
     PackedLinear, where the weights are float32 or bfloat16 on CPU and this PyTorch has oneDNN; returns how many."""
@@ -50,7 +57,7 @@ def pack_cpu_linears(model: nn.Module) -> int:
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or name not in DECODER_LINEARS:
                 continue
-            if child.weight.device.type != "cpu" or child.weight.dtype not in PACKED_DTYPES:
+            if child.weight.device.type != "cpu" or not packable(child.weight.dtype):
                 continue
             try:
                 packed = PackedLinear(child)

@@ -175,10 +175,17 @@ inline void scores_of_16(const float* qf, const E* block, int64_t D, int64_t row
                          int64_t stop) {
   int64_t r = 0;
 #ifdef TOKENFLEET_AVX2
-  if constexpr (std::is_same<E, float>::value)
+  if constexpr (std::is_same<E, float>::value) {
     for (; r + 5 < rows; r += 6) scores_rx16<6>(qf + r * D, block, D, scores + r * len, len, stop);
-  if constexpr (std::is_same<E, float>::value)
-    for (; r + 3 < rows; r += 4) scores_rx16<4>(qf + r * D, block, D, scores + r * len, len, stop);
+    if (r + 3 < rows) {
+      scores_rx16<4>(qf + r * D, block, D, scores + r * len, len, stop);
+      r += 4;
+    }
+    if (r + 2 < rows) {  // a decode's G = 3 query heads of a KV head
+      scores_rx16<3>(qf + r * D, block, D, scores + r * len, len, stop);
+      r += 3;
+    }
+  }
 #endif
   for (; r + 1 < rows; r += 2) scores_of_16_rows<2>(qf + r * D, block, D, scores + r * len, len, stop);
   if (r < rows) scores_of_16_rows<1>(qf + r * D, block, D, scores + r * len, len, stop);

@@ -426,12 +426,17 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
   const int64_t* tp = tables.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const bool dequantizes = !std::is_same<C, typename Read::Elem>::value;
-  const int64_t items = static_cast<int64_t>(tiles.size()) * s.kv_heads;
+  // A tile's work grows with its position (a causal triangle) and parallel_for hands each thread a contiguous run of
+  // items: taken from both ends alternately, every run mixes short and long tiles.
+  const int64_t count = static_cast<int64_t>(tiles.size());
+  std::vector<Tile> mixed(count);
+  for (int64_t k = 0; k < count; ++k) mixed[k] = tiles[k % 2 == 0 ? k / 2 : count - 1 - k / 2];
+  const int64_t items = count * s.kv_heads;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     Buffers buf = buffers_for(s, TILE * G, dequantizes);
     std::vector<int64_t> limits(TILE * G);
     for (int64_t item = begin; item < end; ++item) {
-      const Tile tile = tiles[item / s.kv_heads];
+      const Tile tile = mixed[item / s.kv_heads];
       const int64_t kh = item % s.kv_heads;
       const int64_t positions = std::min(TILE, qlen[tile.chunk] - tile.first);
       for (int64_t i = 0; i < positions; ++i) {

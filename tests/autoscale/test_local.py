@@ -5,6 +5,8 @@ and stopped while a trickle of requests goes on — and no request fails."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 import uuid
@@ -19,6 +21,8 @@ from tests.gateway.conftest import ADMIN_KEY, MODEL
 from tests.servers import delete_redis_keys, free_port, metric, running_process
 
 REPLICA_ARGS = ["--kv-cache-gib", "0.05", "--swap-space-gib", "0.01", "--max-model-len", "512"]
+
+DRAIN_TIMEOUT_S = 8
 
 
 def fleet_config(model_dir, port: int, prefix: str, logs) -> dict:
@@ -48,7 +52,7 @@ def fleet_config(model_dir, port: int, prefix: str, logs) -> dict:
             "cooldown_s": 2,
             "drain_settle_s": 1,
             # the gateway stops its replicas within drain + 5 s, inside the 20 s running_process gives it
-            "local": {"drain_timeout_s": 8, "log_dir": str(logs / "replicas")},
+            "local": {"drain_timeout_s": DRAIN_TIMEOUT_S, "log_dir": str(logs / "replicas")},
             "pools": {
                 MODEL: {"min_replicas": 1, "max_replicas": 2, "target_in_flight": 2, "replica_args": REPLICA_ARGS}
             },
@@ -64,11 +68,10 @@ def autoscaled(demo_model_dir, tmp_path):
     try:
         with running_process(
             ["gateway", "--config", str(tmp_path / "fleet.yaml")], f"{base}/health", tmp_path / "gateway.log"
-        ):
-            yield {"base": base, "log": tmp_path / "gateway.log", "seen": seen}
-        for url in seen:  # the gateway stops the replicas it started when it stops
-            with pytest.raises(httpx.HTTPError):
-                httpx.get(f"{url}/health", timeout=1)
+        ) as gateway:
+            yield {"base": base, "log": tmp_path / "gateway.log", "seen": seen, "pid": gateway.pid}
+        for url in seen:  # the gateway stops the replicas it started when it stops (or they stop when it dies)
+            assert gone_within(url, DRAIN_TIMEOUT_S + 5), f"replica {url} still serving after its gateway stopped"
     finally:
         delete_redis_keys(prefix)
 
@@ -197,6 +200,24 @@ def test_a_load_step_grows_the_pool_and_it_shrinks_after_without_dropping_a_requ
     wait_until(lambda: _refuses(victim_url), 20, "the drained replica's process gone", fleet)
     assert gauge(fleet, "scale_events_total", direction="up") == 1
     assert gauge(fleet, "scale_events_total", direction="down") == 1
+
+
+def gone_within(url: str, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not _refuses(url):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def test_a_killed_gateway_leaves_no_replica_serving(autoscaled):
+    """SIGKILL, so no shutdown code runs: the replicas it started get SIGTERM from the kernel, drain and exit."""
+    fleet = autoscaled
+    (replica,) = wait_until(lambda: [r for r in replicas(fleet) if not r["draining"]], 90, "the min replica", fleet)
+    assert httpx.get(f"{replica['url']}/health", timeout=5).status_code == 200
+    os.kill(fleet["pid"], signal.SIGKILL)
+    assert gone_within(replica["url"], DRAIN_TIMEOUT_S + 5), "the replica outlived its killed gateway"
 
 
 def _refuses(url: str) -> bool:

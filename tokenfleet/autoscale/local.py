@@ -6,11 +6,13 @@ in the registry once it serves (every gateway sees it); without Redis the orches
 router when its /health answers. It is stopped only after the autoscaler drained it and saw it empty; the SIGTERM
 then finds nothing to wait for (and would still let a straggler finish, up to the replica's --drain-timeout); one
 still running KILL_SLACK_S after that is killed. Until its process exits a stopping replica holds its machine:
-`stopping()` counts them, for a shared budget."""
+`stopping()` counts them, for a shared budget. A replica started here gets SIGTERM (drains, then exits) when the
+gateway dies, however it dies: a killed gateway leaves no replica serving with no one to stop it."""
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import signal
@@ -30,6 +32,7 @@ from tokenfleet.autoscale.signals import pool_key
 log = logging.getLogger(__name__)
 
 KILL_SLACK_S = 5.0  # a replica still running this long after its SIGTERM drain limit is killed
+PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -117,6 +120,7 @@ class LocalOrchestrator:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                preexec_fn=_terminate_with_gateway if sys.platform.startswith("linux") else None,
             )
         return LocalReplica(name, model, region, url, proc, log_path, time.time(), time.monotonic())
 
@@ -253,6 +257,11 @@ class LocalOrchestrator:
                 replica.proc.kill()
                 replica.proc.wait()
         self.replicas.clear()
+
+
+def _terminate_with_gateway() -> None:
+    """In the replica, before exec: SIGTERM when the thread that started it (the gateway's event loop) ends."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 async def _healthy(client: httpx.AsyncClient, url: str) -> bool:

@@ -117,3 +117,39 @@ def test_the_engine_uses_the_fused_activation_only_with_the_kernel(tmp_path, ker
     assert all(layer.mlp.silu_and_mul is not None for layer in runner.model.layers)
     runner.use_decode_kernel(None)
     assert all(layer.mlp.silu_and_mul is None for layer in runner.model.layers)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 0.0), (torch.float16, 1e-3)])
+def test_the_one_pass_rms_norm_matches_the_module(kernel, dtype, tol):
+    """RMSNorm through the CPU library: the module's roundings (normalized in float, rounded to the dtype, then times
+    the weight), large and tiny rows included, and rows apart in memory."""
+    from tokenfleet.model.llama import RMSNorm
+
+    gen = torch.Generator().manual_seed(2)
+    norm = RMSNorm(192, 1e-6).to(dtype)
+    norm.weight.data = torch.randn(192, generator=gen).to(dtype)
+    x = (torch.randn(41, 192, generator=gen) * 3).to(dtype)
+    x[0] *= 1000
+    x[1] *= 1e-3
+    expected = norm(x)
+    got = torch.ops.tokenfleet.rms_norm(x, norm.weight, norm.eps)
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol or 1e-2, rtol=tol or 1e-2)
+    if dtype == torch.bfloat16:  # one rounding apart at most, as the module's own float path is
+        assert (got.float() - expected.float()).abs().max() <= expected.float().abs().max() * 2**-7
+    wide = torch.cat([x, x], dim=-1)[:, :192]  # rows apart in memory
+    assert torch.equal(torch.ops.tokenfleet.rms_norm(wide, norm.weight, norm.eps), got)
+    norm.fused = torch.ops.tokenfleet.rms_norm
+    assert torch.equal(norm(x), got)
+
+
+def test_the_engine_uses_the_one_pass_norm_only_with_the_kernel(tmp_path, kernel):
+    from tokenfleet.model.llama import RMSNorm
+
+    llm = LLM(str(make_checkpoint(tmp_path, "llama")), skip_tokenizer_init=True, **SMALL_KV)
+    runner = llm.engine.runner
+    norms = [m for m in runner.model.modules() if isinstance(m, RMSNorm)]
+    runner.use_decode_kernel(kernel)
+    assert norms and all(n.fused is not None for n in norms)
+    runner.use_decode_kernel(None)
+    assert all(n.fused is None for n in norms)

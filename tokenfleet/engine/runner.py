@@ -27,7 +27,7 @@ from tokenfleet.engine.step_inputs import InputBuilder, StepInputs
 from tokenfleet.model.attention import AttentionMetadata, PagedAttention, PrefillChunk
 from tokenfleet.model.cpu_kernels import advise_huge_pages, decode_kernel_build
 from tokenfleet.model.kv_quant import KVScales, as_bytes, is_fp8, kv_cache_dtype, scale_for
-from tokenfleet.model.llama import MLP, LlamaForCausalLM
+from tokenfleet.model.llama import MLP, LlamaForCausalLM, RMSNorm
 
 if TYPE_CHECKING:
     from tokenfleet.engine.draft import DraftModel
@@ -184,9 +184,12 @@ class ModelRunner:
         self.inputs = InputBuilder(self.block_size, self.device, self.dtype, uses_kernel=op is not None)
         for attention in attention_layers(self.model):  # each layer's self_attn.attn
             attention.decode_kernel = op
-        fused = torch.ops.tokenfleet.silu_and_mul if op is not None else None  # the same library holds both
+        fused = torch.ops.tokenfleet.silu_and_mul if op is not None else None  # the same library holds all three
         for mlp in mlp_layers(self.model):
             mlp.silu_and_mul = fused
+        norm = torch.ops.tokenfleet.rms_norm if op is not None else None
+        for layer in norm_layers(self.model):
+            layer.fused = norm
 
     def _take_kernel_when_built(self, build: Future[DecodeKernel | None]) -> None:
         """The kernel now if it is loaded; else the PyTorch path until its background build is done, then the
@@ -324,6 +327,10 @@ def measure_kv_ranges(
 
 def mlp_layers(model: LlamaForCausalLM) -> list[MLP]:
     return [m for m in model.modules() if isinstance(m, MLP)]
+
+
+def norm_layers(model: LlamaForCausalLM) -> list[RMSNorm]:
+    return [m for m in model.modules() if isinstance(m, RMSNorm)]
 
 
 def attention_layers(model: LlamaForCausalLM) -> list[PagedAttention]:

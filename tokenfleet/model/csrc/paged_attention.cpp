@@ -542,7 +542,43 @@ void silu_and_mul_rows(const T* in, T* out, int64_t begin, int64_t end, int64_t 
   }
 }
 
+// x * rsqrt(mean(x^2) + eps) in float, rounded to T, times the weight: the same roundings as RMSNorm in PyTorch
+template <typename T>
+void rms_norm_rows(const T* in, const T* weight, T* out, int64_t begin, int64_t end, int64_t d, int64_t stride,
+                   float eps) {
+  for (int64_t r = begin; r < end; ++r) {
+    const T* row = in + r * stride;
+    float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t j = 0; j < d; ++j) squares += as_float(row[j]) * as_float(row[j]);
+    const float inv = 1.0f / std::sqrt(squares / static_cast<float>(d) + eps);
+    T* y = out + r * d;
+#pragma omp simd
+    for (int64_t j = 0; j < d; ++j)
+      y[j] = static_cast<T>(as_float(static_cast<T>(as_float(row[j]) * inv)) * as_float(weight[j]));
+  }
+}
+
 }  // namespace
+
+// RMSNorm in one pass over each row of x ([rows, d], rows contiguous): PyTorch's version makes six passes (square,
+// mean, add, rsqrt, two multiplies), each reading and writing a tensor of the activation's size.
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, d] with contiguous rows");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(), "one weight per column");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "the weight must be in x's dtype");
+  const int64_t rows = x.size(0), d = x.size(1), stride = x.stride(0);
+  auto out = at::empty({rows, d}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* in = x.const_data_ptr<scalar_t>();
+    const scalar_t* w = weight.const_data_ptr<scalar_t>();
+    scalar_t* y = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      rms_norm_rows(in, w, y, begin, end, d, stride, static_cast<float>(eps));
+    });
+  });
+  return out;
+}
 
 // The MLP's SiLU(gate) * up in one pass over x = [gate | up] ([rows, 2d], rows contiguous), as vLLM's
 // silu_and_mul: PyTorch's F.silu(gate) * up reads and writes two intermediate tensors, and its expf is slower.
@@ -560,6 +596,7 @@ at::Tensor silu_and_mul(at::Tensor x) {
 
 TORCH_LIBRARY(tokenfleet, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
       "int block_size, float scale, float k_scale=1.0, float v_scale=1.0) -> Tensor",

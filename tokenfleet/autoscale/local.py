@@ -246,14 +246,16 @@ class LocalOrchestrator:
     async def close(self) -> None:
         """Gateway shutdown: SIGTERM every replica started here (each drains), kill those still up after the drain
         limit."""
-        for replica in self.replicas.values():
-            if replica.proc.poll() is None:
-                replica.proc.send_signal(signal.SIGTERM)
+        running = [r for r in self.replicas.values() if r.proc.poll() is None]
+        log.info("stopping the %d replica(s) started here: %s", len(running), ", ".join(r.name for r in running))
+        for replica in running:
+            replica.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + self.local.drain_timeout_s + KILL_SLACK_S
         while any(r.proc.poll() is None for r in self.replicas.values()) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         for replica in self.replicas.values():
             if replica.proc.poll() is None:
+                log.warning("replica %s still running after its drain limit; killing it", replica.name)
                 replica.proc.kill()
                 replica.proc.wait()
         self.replicas.clear()

@@ -44,8 +44,14 @@ async def lifespan(app: FastAPI):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        log.info("gateway stopping: %d closer(s) to run", len(gateway.closers))
         for close in gateway.closers:
-            await close()
+            try:
+                await close()
+            except Exception:  # one that fails must not keep the rest (replicas' stop, the usage flush) from running
+                log.exception(
+                    "gateway shutdown: %s failed; going on with the rest", getattr(close, "__qualname__", close)
+                )
 
 
 def create_gateway_app(

@@ -77,9 +77,8 @@ class InputBuilder:
             req, start, n = chunk.req, chunk.req.num_computed_tokens, chunk.num_tokens
             table = torch.tensor(req.block_table)
             pos = torch.arange(start, start + n)
-            prefill_meta.append(
-                PrefillChunk(len(ids), n, None, None) if batch else self._prefill_chunk(len(ids), start, n, table)
-            )
+            if batch is None:  # the kernel's batch holds all it needs; a chunk without its context would be wrong
+                prefill_meta.append(self._prefill_chunk(len(ids), start, n, table))
             ids.extend(req.token_ids[start : start + n])
             positions.append(pos)
             blocks.append(table[pos // self.block_size])

@@ -63,7 +63,7 @@ class AttentionMetadata:
     block_size: int
     decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
-    prefill_batch: PrefillBatch | None = None  # set when the chunks go through the CPU kernel (prefills then unused)
+    prefill_batch: PrefillBatch | None = None  # set when the chunks go through the CPU kernel (prefills then empty)
 
 
 class PagedAttention(torch.nn.Module):

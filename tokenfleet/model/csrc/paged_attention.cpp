@@ -282,12 +282,14 @@ inline void weighted_rows(const E* v, const int64_t* table, int64_t len, const S
                           int64_t rows, float* out) {
   int64_t r = 0;
 #ifdef TOKENFLEET_AVX2
-  if constexpr (std::is_same<E, float>::value)
+  if constexpr (std::is_same<E, float>::value) {
     for (; r + 5 < rows; r += 6)
-      for (int64_t slice = 0; slice < DD; slice += 16) weighted_rx16<6>(v, table, len, s, p + r * len, slice, out + r * DD);
-  if constexpr (std::is_same<E, float>::value)
+      for (int64_t slice = 0; slice < DD; slice += 16)
+        weighted_rx16<6>(v, table, len, s, p + r * len, slice, out + r * DD);
     for (; r + 2 < rows; r += 3)
-      for (int64_t slice = 0; slice < DD; slice += 16) weighted_rx16<3>(v, table, len, s, p + r * len, slice, out + r * DD);
+      for (int64_t slice = 0; slice < DD; slice += 16)
+        weighted_rx16<3>(v, table, len, s, p + r * len, slice, out + r * DD);
+  }
 #endif
   // two rows of 32 floats keep 8 accumulators and a value's 4 loads in the 16 vector registers of AVX2
   if (DD == 32)
@@ -364,7 +366,8 @@ inline void store_rows(const float* acc, int64_t count, T* out) {
 }
 
 Buffers buffers_for(const Shape& s, int64_t rows, bool dequantizes) {
-  return Buffers{std::vector<float>(rows * s.head_dim), {}, {}, std::vector<float>(dequantizes ? s.block_size * s.head_dim : 0), {}};
+  return Buffers{std::vector<float>(rows * s.head_dim), {}, {},
+                 std::vector<float>(dequantizes ? s.block_size * s.head_dim : 0), {}};
 }
 
 template <typename T, typename Read>

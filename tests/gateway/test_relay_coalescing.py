@@ -244,13 +244,13 @@ class Batches(MemoryResumeBuffer):
         self.writes: list[list[StreamEvent]] = []
         self.failing = failing
 
-    async def append_many(self, request_id: str, events: list[StreamEvent]) -> None:
+    async def append_many(self, request_id: str, events: list[StreamEvent], shown=None) -> None:
         await asyncio.sleep(0.01)
         if self.failing:
             self.failing -= 1
             raise ConnectionError("redis is down")
         self.writes.append(events)
-        await super().append_many(request_id, events)
+        await super().append_many(request_id, events, shown)
 
 
 async def relayed(buffer, counts: list[int]) -> Relay:
@@ -313,9 +313,9 @@ class SlowOpen(MemoryResumeBuffer):
         self.opened_at = asyncio.get_running_loop().time()
         await super().open(request_id, owner, kind)
 
-    async def append_many(self, request_id: str, events: list[StreamEvent]) -> None:
+    async def append_many(self, request_id: str, events: list[StreamEvent], shown=None) -> None:
         self.first_write_at = self.first_write_at or asyncio.get_running_loop().time()
-        await super().append_many(request_id, events)
+        await super().append_many(request_id, events, shown)
 
 
 def test_the_replica_is_asked_while_the_open_waits_and_nothing_is_written_before_it():

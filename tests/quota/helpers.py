@@ -36,10 +36,10 @@ async def opened(make: Callable[..., Any], **options: Any) -> AsyncIterator[Any]
 
 class Proxy:
     """Forwards 127.0.0.1:<port> to Redis; stop() drops the listener and every live connection, start() listens
-    on the same port again."""
+    on the same port again. `reply_delay_s`: Redis's replies are held that long (commands go on at once)."""
 
-    def __init__(self, target_port: int = REDIS_PORT) -> None:
-        self.target_port, self.port = target_port, 0
+    def __init__(self, target_port: int = REDIS_PORT, reply_delay_s: float = 0.0) -> None:
+        self.target_port, self.port, self.reply_delay_s = target_port, 0, reply_delay_s
         self._server: asyncio.base_events.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task] = set()
@@ -60,14 +60,19 @@ class Proxy:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
         self._writers |= {writer, up_writer}
-        pipes = [asyncio.create_task(self._pipe(reader, up_writer)), asyncio.create_task(self._pipe(up_reader, writer))]
+        pipes = [
+            asyncio.create_task(self._pipe(reader, up_writer, 0.0)),
+            asyncio.create_task(self._pipe(up_reader, writer, self.reply_delay_s)),
+        ]
         self._tasks.update(pipes)
         await asyncio.gather(*pipes, return_exceptions=True)
         self._tasks.difference_update(pipes)
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float) -> None:
         try:
             while data := await reader.read(65536):
+                if delay_s:
+                    await asyncio.sleep(delay_s)
                 writer.write(data)
                 await writer.drain()
         finally:

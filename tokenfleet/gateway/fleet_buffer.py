@@ -3,16 +3,20 @@ streams this gateway relays, which its own clients read. When Redis fails, reque
 goes on without resume elsewhere (`resumable` is False: the gateway says so in a header), and a stream in flight
 goes on from the copy, so its clients never notice.
 
-Every write goes to Redis before the copy, the first token's too: writing it ahead of Redis would save its round
-trip (~0.6 ms) from the time to first token, but a gateway dying within that round trip would leave a token its
-client received out of the stream the reaper bills from (metering's bar: at least what the client received)."""
+Every write is on its way to Redis before the copy takes it: the copy (what this gateway's clients read) gets a write
+once its bytes have left this process for Redis, not once Redis has answered, so Redis's round trip is off the time to
+first token. A gateway dying after that still leaves the events in Redis, where the reaper bills from (metering's bar:
+at least what the client received): the kernel delivers what the process handed it, and the Redis write was handed
+over before any byte of those events to a client. A write asyncio could not hand to the kernel at once (a full
+socket) reaches the copy with Redis's answer, as before; one Redis then refuses stays in the copy, and the stream goes
+on unshared, as after any Redis failure."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -42,8 +46,8 @@ def redis_client(url: str, connect_timeout_s: float = 0.5, socket_timeout_s: flo
 
 
 class FleetResumeBuffer:
-    """Writes each event to Redis first, then to the copy: a client here never sees an event another gateway
-    could not replay (nor one metering could not find). After a Redis failure, new streams skip Redis for
+    """Hands each write to Redis first, then to the copy: a client here never sees an event that is not on its way
+    to Redis (which metering could not find should this gateway die). After a Redis failure, new streams skip Redis for
     `retry_after_s` instead of each waiting for it to fail again."""
 
     def __init__(self, shared: RedisResumeBuffer, retry_after_s: float = 1.0) -> None:
@@ -69,10 +73,22 @@ class FleetResumeBuffer:
             await self._share(request_id, self.shared.append(request_id, event))
         await self.local.append(request_id, event)
 
-    async def append_many(self, request_id: str, events: list[StreamEvent]) -> None:
+    async def append_many(
+        self, request_id: str, events: list[StreamEvent], shown: Callable[[], None] | None = None
+    ) -> None:
+        copied = False
+
+        def copy() -> None:
+            nonlocal copied
+            if not copied:
+                copied = True
+                self.local.add_many(request_id, events)
+                if shown is not None:
+                    shown()
+
         if request_id not in self.unshared:
-            await self._share(request_id, self.shared.append_many(request_id, events))
-        await self.local.append_many(request_id, events)
+            await self._share(request_id, self.shared.append_sent(request_id, events, copy))
+        copy()
 
     async def close(self, request_id: str) -> None:
         if request_id not in self.unshared:

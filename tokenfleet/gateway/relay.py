@@ -64,6 +64,7 @@ class Relay:
     _ended: bool = False  # whether the format's end is queued (or written)
     _opening: asyncio.Future | None = None  # the stream's open in the buffer
     _written_id: int = 0  # the last event the buffer holds
+    _readable_id: int = 0  # the last event readers here can read (a fleet buffer's copy has it before Redis answers)
     _progress: asyncio.Future | None = None  # resolved by the writer at its next write (or its end)
 
     async def start(self, chunks: AsyncIterator[Piece], opening: asyncio.Future | None = None) -> None:
@@ -88,7 +89,7 @@ class Relay:
             raise
         if self.task is None:
             self.task = asyncio.create_task(self._run(chunks), name=f"relay-{self.request_id}")
-        await self._written(first_events)
+        await self._written(first_events, readable=True)
 
     async def _run(self, chunks: AsyncIterator[Piece]) -> None:
         self._running = True
@@ -125,7 +126,9 @@ class Relay:
         self._queue(self.format.chunk(chunk))
         # the first token goes out at once, not after the rest of its read (the time to first token); and when the
         # buffer is slower than the replica, the relay waits for it
-        if first or len(self._queued) >= MAX_QUEUED:
+        if first:
+            await self._written(readable=True)
+        elif len(self._queued) >= MAX_QUEUED:
             await self._written()
 
     def _stop_if_cancelled(self) -> None:
@@ -167,6 +170,7 @@ class Relay:
                 queued, self._queued = self._queued, []
                 await self._write(queued)
                 self._written_id = queued[-1].id
+                self._readable_id = max(self._readable_id, self._written_id)
                 self._wake_waiters()
         except Exception as e:
             self._write_failure = e
@@ -189,7 +193,7 @@ class Relay:
         events = [StreamEvent(q.id, q.data, q.name) for q in queued]
         last = queued[-1]
         events[-1] = StreamEvent(last.id, last.data, last.name, self._json(last.usage))
-        await append_many(self.request_id, events)
+        await append_many(self.request_id, events, lambda: self._readable(last.id))
 
     def _json(self, usage: Usage | None) -> str | None:
         """The count as stored beside an event, encoded once per count, not once per event."""
@@ -201,12 +205,22 @@ class Relay:
             self._usage_json = (usage, text)
         return text
 
-    async def _written(self, upto: int | None = None) -> None:
+    def _readable(self, upto: int) -> None:
+        """The buffer's readers here can read the events up to `upto` (its write may still be on its way)."""
+        self._readable_id = max(self._readable_id, upto)
+        self._wake_waiters()
+
+    async def _written(self, upto: int | None = None, readable: bool = False) -> None:
         """Until the buffer holds every event queued so far (or up to id `upto`), not those queued meanwhile; raises
-        what a write raised. Waiting does not stop the writer: a relay cancelled meanwhile still has its events
-        written."""
+        what a write raised. `readable`: only until the buffer's readers here can read them (a fleet buffer's copy
+        takes a write once it has left for Redis). Waiting does not stop the writer: a relay cancelled meanwhile
+        still has its events written."""
         target = self.last_id if upto is None else upto
-        while self._written_id < target and self._writer is not None and not self._writer.done():
+        while (
+            (self._readable_id if readable else self._written_id) < target
+            and self._writer is not None
+            and not self._writer.done()
+        ):
             if self._progress is None or self._progress.done():  # done: cancelled with a waiter before
                 self._progress = asyncio.get_running_loop().create_future()
             await self._progress

@@ -12,7 +12,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -53,8 +53,9 @@ class ResumeBuffer(Protocol):
 
     async def append(self, request_id: str, event: StreamEvent) -> None: ...
 
-    # Optional, where a buffer has it (relay.py asks): async def append_many(self, request_id, events) -> None, the
-    # events in order as one write, held by the buffer (every one of them) when it returns.
+    # Optional, where a buffer has it (relay.py asks): async def append_many(self, request_id, events, shown=None)
+    # -> None, the events in order as one write, held by the buffer (every one of them) when it returns; `shown`, if
+    # given, is called once this gateway's readers can read them (at the latest when it returns).
 
     async def close(self, request_id: str) -> None:
         """Marks the stream complete: readers stop after its last event."""
@@ -158,8 +159,16 @@ class MemoryResumeBuffer:
             log.events.append(event)
         self._touch(request_id, log)
 
-    async def append_many(self, request_id: str, events: list[StreamEvent]) -> None:
+    async def append_many(
+        self, request_id: str, events: list[StreamEvent], shown: Callable[[], None] | None = None
+    ) -> None:
         """The events in order, with one wake-up of the stream's readers (who then read them all at once)."""
+        self.add_many(request_id, events)
+        if shown is not None:
+            shown()
+
+    def add_many(self, request_id: str, events: list[StreamEvent]) -> None:
+        """append_many, at once."""
         log = self._log(request_id)
         room = self.max_events - len(log.events)
         if room > 0:
@@ -272,6 +281,7 @@ class _Write:
     entries: int  # how many stream entries
     args: list[str | int]  # per entry: its number of field arguments, then name, value, name, value, ...
     mark_alive: bool = False
+    sent: Callable[[], None] | None = None  # called once the write has left this process
 
 
 class _RedisFollower:
@@ -382,15 +392,28 @@ class RedisResumeBuffer:
         _event_args(event, args)
         await self._writes.submit(_Write(self._key(request_id), 1, args))
 
-    async def append_many(self, request_id: str, events: list[StreamEvent]) -> None:
+    async def append_many(
+        self, request_id: str, events: list[StreamEvent], shown: Callable[[], None] | None = None
+    ) -> None:
         """The events as one write of the tick's script call, in order: one stream's events never straddle two calls
-        (which could reach Redis out of order). Should Redis refuse one, the ones before it stay and it raises."""
+        (which could reach Redis out of order). Should Redis refuse one, the ones before it stay and it raises.
+        Readers here read Redis: `shown` is called once Redis holds the events."""
+        await self.append_sent(request_id, events, None)
+        if shown is not None:
+            shown()
+
+    async def append_sent(self, request_id: str, events: list[StreamEvent], sent: Callable[[], None] | None) -> None:
+        """append_many, calling `sent` (if given) once the write has left this process for Redis, before Redis
+        answers: from then on it reaches Redis even if this process dies (the kernel sends what it was handed), or
+        not at all if it could not be sent."""
         if not events:
+            if sent is not None:
+                sent()
             return
         args: list[str | int] = []
         for event in events:
             _event_args(event, args)
-        await self._writes.submit(_Write(self._key(request_id), len(events), args))
+        await self._writes.submit(_Write(self._key(request_id), len(events), args, sent=sent))
 
     async def close(self, request_id: str) -> None:
         await self._add(request_id, [self.END, 1])
@@ -416,7 +439,8 @@ class RedisResumeBuffer:
         for write in writes:
             args.append(write.entries)
             args.extend(write.args)
-        [reply] = await run_scripts(self.redis, [ScriptCall(APPEND, keys, args)])
+        told = [write.sent for write in writes if write.sent is not None]
+        [reply] = await run_scripts(self.redis, [ScriptCall(APPEND, keys, args)], on_sent=_calling(told))
         if isinstance(reply, Exception):
             raise reply
         return [None if status == 1 else ResponseError(_text(status)) for status in reply]
@@ -472,6 +496,18 @@ class RedisResumeBuffer:
 
     async def discard(self, request_id: str) -> None:
         await self.redis.delete(self._key(request_id))
+
+
+def _calling(callbacks: list[Callable[[], None]]) -> Callable[[], None] | None:
+    """One callback that calls each of `callbacks` (None when there are none)."""
+    if not callbacks:
+        return None
+
+    def call_each() -> None:
+        for callback in callbacks:
+            callback()
+
+    return call_each
 
 
 def _event_args(event: StreamEvent, args: list[str | int]) -> None:

@@ -427,28 +427,38 @@ class RedisStore:
 QUEUED_IN_OUTAGE = "quota store unreachable (failed while this call was queued)"
 
 
-async def run_scripts(client: aioredis.Redis, calls: Sequence[Call], read_timeout_s: float | None = None) -> list[Any]:
+async def run_scripts(
+    client: aioredis.Redis,
+    calls: Sequence[Call],
+    read_timeout_s: float | None = None,
+    on_sent: Callable[[], None] | None = None,
+) -> list[Any]:
     """The calls' replies, in order, from one write on one connection of the client's pool (run_scripts_on)."""
     pool = client.connection_pool
     connection = await pool.get_connection()
     try:
-        return await run_scripts_on(connection, calls, read_timeout_s)
+        return await run_scripts_on(connection, calls, read_timeout_s, on_sent)
     finally:
         await pool.release(connection)
 
 
 async def run_scripts_on(
-    connection: AbstractConnection, calls: Sequence[Call], read_timeout_s: float | None = None
+    connection: AbstractConnection,
+    calls: Sequence[Call],
+    read_timeout_s: float | None = None,
+    on_sent: Callable[[], None] | None = None,
 ) -> list[Any]:
     """The calls' replies, in order, from one write on `connection` (connected first if it is not); an error reply
     is returned in its place, not raised. Scripts Redis does not know (NOSCRIPT: a restarted or failed-over server)
     are sent again with their source, which also caches them there. A connection error is retried as the
     connection's own retry policy says (redis-py's `retry`); a timeout or a lost connection raises, and leaves the
     connection disconnected (replies may be left unread on it). `read_timeout_s`: per reply (None: the client's
-    socket timeout; math.inf: none, the caller keeps a deadline of its own)."""
+    socket timeout; math.inf: none, the caller keeps a deadline of its own). `on_sent`: called once, as soon as the
+    whole write is in the kernel's hands (it reaches Redis even if this process dies now), else with the replies."""
+    sent = _Once(on_sent)
 
     async def exchange() -> list[Any]:
-        replies = await _exchange(connection, [call.packed() for call in calls], read_timeout_s)
+        replies = await _exchange(connection, [call.packed() for call in calls], read_timeout_s, sent)
         unknown = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if unknown:
             again = await _exchange(connection, [calls[i].packed(by_sha=False) for i in unknown], read_timeout_s)
@@ -461,19 +471,38 @@ async def run_scripts_on(
 
     try:
         replies: list[Any] = await connection.retry.call_with_retry(exchange, disconnect)
+        sent()
         return replies
     except BaseException:
         await connection.disconnect(nowait=True)
         raise
 
 
-async def _exchange(connection: AbstractConnection, packed: list[bytes], read_timeout_s: float | None) -> list[Any]:
-    """Sends the packed commands in one write and reads one reply per command; an error reply is returned.
+class _Once:
+    """A callback called at most once (None: nothing to call)."""
+
+    def __init__(self, callback: Callable[[], None] | None) -> None:
+        self.callback = callback
+
+    def __call__(self) -> None:
+        callback, self.callback = self.callback, None
+        if callback is not None:
+            callback()
+
+
+async def _exchange(
+    connection: AbstractConnection, packed: list[bytes], read_timeout_s: float | None, sent: _Once | None = None
+) -> list[Any]:
+    """Sends the packed commands in one write and reads one reply per command; an error reply is returned. `sent` is
+    called once the write has left this process (asyncio hands a small write to the kernel at once; one it had to
+    buffer has not, and `sent` then waits for the replies).
 
     Replies already received and parsed are taken straight from the connection's hiredis reader, when it has one
     (most of a batch arrives with its first reply); redis-py's read_response, a chain of coroutines per reply, is
     called only to wait for more."""
     await connection.send_packed_command(b"".join(packed))
+    if sent is not None and _unsent_bytes(connection) == 0:
+        sent()
     replies: list[Any] = []
     reader = _hiredis_reader(connection)
     while len(replies) < len(packed):
@@ -489,6 +518,16 @@ async def _exchange(connection: AbstractConnection, packed: list[bytes], read_ti
         except ResponseError as e:
             replies.append(e)
     return replies
+
+
+def _unsent_bytes(connection: AbstractConnection) -> int:
+    """Bytes of the connection's writes still in this process (-1: cannot tell)."""
+    writer = getattr(connection, "_writer", None)
+    transport = getattr(writer, "transport", None)
+    try:
+        return int(transport.get_write_buffer_size()) if transport is not None else -1
+    except Exception:
+        return -1
 
 
 def _hiredis_reader(connection: AbstractConnection) -> hiredis.Reader | None:

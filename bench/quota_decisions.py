@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cpuprobe import _machine_busy_ticks, _tree_ticks  # noqa: E402
 
 from tokenfleet.quota import Limits, MemoryQuota, RedisQuota, Scope  # noqa: E402
+from tokenfleet.quota.leases import LeasedQuota  # noqa: E402
 
 ORG, USER = Limits(6000, 2_000_000, 256, None), Limits(600, 200_000, 32, None)  # config.default_tiers()["paid"]
 
@@ -109,6 +110,9 @@ async def pairs(quota, tenants: int, concurrency: int, seconds: float, seed: int
     async def worker(w: int) -> None:
         i = 0
         while time.perf_counter() < deadline:
+            # a fresh turn of the loop per pair, as a request's reads give it: a decision made without waiting
+            # (a lease's) would otherwise let one worker run pair after pair while the others wait
+            await asyncio.sleep(0)
             await pair(f"w{w}-{i}-{seed}", time.perf_counter())
             i += 1
 
@@ -177,40 +181,70 @@ def measure(
     redis_pid: int | None,
     prefix: str,
 ) -> dict:
-    async def go() -> dict:
-        if kind == "redis-py":
-            return await raw_evalsha(args.url, args.pool, concurrency, args.seconds)
-        quota = MemoryQuota() if kind == "memory" else RedisQuota.from_url(args.url, prefix, max_connections=args.pool)
-        gc.collect()
-        gc.freeze()  # as a gateway does once started (gateway/app.py): its heap out of the collector's sight
-        try:
+    """One run; the window (wall, CPU, Redis's counters) covers the timed pairs only, after --warmup seconds of the
+    same work on the same quota (untimed: leases taken, connections made, as in a gateway that has been running)."""
+    window = Window(redis_pid)
+    stats: dict[str, float] = {}
+
+    async def timed(quota) -> dict:
+        stats["calls0"], stats["usec0"] = evalsha_stats(sync)
+        stats["commands0"] = script_commands(sync)
+        batches0, local0 = _batches(quota), getattr(quota, "local_decisions", 0)
+        with window:
             result = await pairs(quota, args.tenants, concurrency, args.seconds, seed, args.rate)
-        finally:
-            await quota.close()
-        batcher = getattr(getattr(quota, "store", None), "batcher", None)  # none before batching (issue 25)
-        if batcher is not None:
-            calls = len(result["reserve_ms"]) + len(result["reconcile_ms"])
-            result["per_trip"] = calls / max(1, batcher.batches)
+        stats["calls1"], stats["usec1"] = evalsha_stats(sync)
+        stats["commands1"] = script_commands(sync)
+        result["local"] = (getattr(quota, "local_decisions", 0) - local0) / max(1, result["decisions"])
+        batches = _batches(quota) - batches0
+        if batches:
+            result["per_trip"] = (len(result["reserve_ms"]) + len(result["reconcile_ms"])) / batches
         return result
 
-    calls0, usec0 = evalsha_stats(sync)
-    commands0 = script_commands(sync)
-    with Window(redis_pid) as window:
-        result = asyncio.run(go())
-    calls1, usec1 = evalsha_stats(sync)
-    commands1 = script_commands(sync)
+    async def go() -> dict:
+        if kind == "redis-py":
+            with window:
+                result = await raw_evalsha(args.url, args.pool, concurrency, args.seconds)
+            stats.update(calls0=0, usec0=0, commands0=0, calls1=0, usec1=0, commands1=0)
+            return result
+        if kind == "memory":
+            quota = MemoryQuota()
+        else:
+            quota = RedisQuota.from_url(args.url, prefix, max_connections=args.pool)
+            if kind == "leased":
+                quota = LeasedQuota(quota)
+        try:
+            if args.warmup:
+                await pairs(quota, args.tenants, concurrency, args.warmup, seed + 1000, args.rate)
+            gc.collect()
+            gc.freeze()  # as a gateway does once started (gateway/app.py): its heap out of the collector's sight
+            return await timed(quota)
+        finally:
+            await quota.close()
+            gc.unfreeze()
+
+    result = asyncio.run(go())
     pairs_done = max(1, result["decisions"])
+    redis_backed = kind in ("redis", "leased")
+    calls = stats["calls1"] - stats["calls0"]
     result.update(
         kind=kind,
         concurrency=concurrency,
         wall=window.wall,
         cpu_us=window.cpu / pairs_done * 1e6,
         other_cpu=window.other_cpu,
-        server_us=(usec1 - usec0) / max(1, calls1 - calls0) if kind != "memory" else None,
-        server_cpu_us=window.server_cpu / pairs_done * 1e6 if kind == "redis" else None,
-        commands=(commands1 - commands0) / pairs_done if kind == "redis" else None,
+        server_us=(stats["usec1"] - stats["usec0"]) / max(1, calls) if redis_backed else None,
+        server_cpu_us=window.server_cpu / pairs_done * 1e6 if redis_backed else None,
+        commands=(stats["commands1"] - stats["commands0"]) / pairs_done if redis_backed else None,
+        script_calls=calls / pairs_done if redis_backed else None,
     )
     return result
+
+
+def _batches(quota) -> int:
+    """Round trips the quota's Redis store made so far (0: none, or no Redis)."""
+    store = getattr(getattr(quota, "inner", quota), "store", None)
+    batcher = getattr(store, "batcher", None)
+    return batcher.batches if batcher is not None else 0
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -230,6 +264,8 @@ def summarize(runs: list[dict]) -> dict:
         "server_cpu_us": med(r["server_cpu_us"] for r in runs) if runs[0]["server_cpu_us"] is not None else None,
         "commands": med(r["commands"] for r in runs) if runs[0]["commands"] is not None else None,
         "per_trip": med(r["per_trip"] for r in runs) if "per_trip" in runs[0] else None,
+        "script_calls": med(r["script_calls"] for r in runs) if runs[0].get("script_calls") is not None else None,
+        "local": med(r.get("local", 0.0) for r in runs),
         "other_cpu": [round(r["other_cpu"], 2) for r in runs],
     }
 
@@ -256,17 +292,17 @@ def report(rows: list[dict]) -> None:
     print(
         "| backend | in flight | pairs/s (decision + reconcile) | reserve p50 / p99 ms | reconcile p50 / p99 ms "
         "| Redis time per script call | Redis CPU per pair | Redis commands per pair | CPU per pair (this process) "
-        "| calls per round trip | refused | other CPU per run |"
+        "| calls per round trip | script calls per pair | decided locally | refused | other CPU per run |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for s in rows:
         label = "redis-py EVALSHA `return 1` (calls/s)" if s["kind"] == "redis-py" else s["kind"]
         print(
             f"| {label} | {s['concurrency']} | {s['per_s']:.0f} | {fmt(s['reserve_p50'], '.2f')} / "
             f"{fmt(s['reserve_p99'], '.2f')} | {fmt(s['reconcile_p50'], '.2f')} / {fmt(s['reconcile_p99'], '.2f')} "
             f"| {fmt(s['server_us'], '.1f')} us | {fmt(s['server_cpu_us'], '.0f')} us | {fmt(s['commands'], '.1f')} "
-            f"| {s['cpu_us']:.0f} us | {fmt(s['per_trip'], '.1f')} "
-            f"| {s['refused']:.1%} | {s['other_cpu']} |"
+            f"| {s['cpu_us']:.0f} us | {fmt(s['per_trip'], '.1f')} | {fmt(s['script_calls'], '.2f')} "
+            f"| {s['local']:.0%} | {s['refused']:.1%} | {s['other_cpu']} |"
         )
 
 
@@ -279,6 +315,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--benchmark-requests", type=int, default=200_000)
+    parser.add_argument("--warmup", type=float, default=1.0, help="untimed seconds of the same work first, per run")
+    parser.add_argument(
+        "--kinds",
+        default="redis,leased,memory,redis-py",
+        help="backends: redis (a decision per call), leased (local leases, quota/leases.py), memory, redis-py",
+    )
     parser.add_argument(
         "--rate",
         type=float,
@@ -293,7 +335,8 @@ def main() -> None:
     rows = []
     try:
         for concurrency in (int(c) for c in args.concurrency.split(",")):
-            for kind in ("redis", "memory", "redis-py") if args.rate is None else ("redis",):
+            kinds = args.kinds.split(",")
+            for kind in kinds if args.rate is None else [k for k in kinds if k in ("redis", "leased")]:
                 runs = [measure(kind, args, concurrency, seed, sync, redis_pid, prefix) for seed in range(args.repeats)]
                 rows.append(summarize(runs))
                 print(f"# {kind} x{concurrency}: {rows[-1]['per_s']:.0f}/s", file=sys.stderr, flush=True)

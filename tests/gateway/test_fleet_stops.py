@@ -50,8 +50,8 @@ def stops_fleet(demo_model_dir, tmp_path_factory):
 
 
 def held(platform: Platform) -> dict[str, float]:
-    """What stopped requests must give back: the gateway's relays, the tenants' concurrency leases in Redis, the
-    replicas' sequences and KV blocks."""
+    """What stopped requests must give back: the gateway's relays, the tenants' concurrency leases in Redis (but the
+    slots the gateway's own quota leases hold with no request in them), the replicas' sequences and KV blocks."""
     loads = [httpx.get(f"{r}/load", timeout=5).json() for r in platform.replicas]
     client = redis.Redis(host="127.0.0.1", port=6379)
     try:
@@ -61,7 +61,7 @@ def held(platform: Platform) -> dict[str, float]:
         client.close()
     return {
         "relays": metric(platform.base, "tokenfleet_gateway_active_relays"),
-        "leases": leases,
+        "leases": leases - metric(platform.base, "tokenfleet_quota_lease_free_slots"),
         "running": sum(load["running"] + load["waiting"] + load["swapped"] for load in loads),
         "kv_usage": sum(load["kv_usage"] for load in loads),
     }

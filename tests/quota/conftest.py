@@ -12,6 +12,7 @@ import redis
 
 from tests.quota.helpers import REDIS_URL
 from tokenfleet.quota import MemoryQuota, RedisQuota
+from tokenfleet.quota.leases import LeasedQuota
 
 
 @pytest.fixture
@@ -33,9 +34,20 @@ def make_redis(prefix: str) -> Callable[..., RedisQuota]:
     return make
 
 
-@pytest.fixture(params=["memory", "redis"])
-def backend(request: pytest.FixtureRequest, make_redis: Callable[..., RedisQuota]) -> Callable[..., Any]:
-    """make(**options) -> a fresh quota service of the parametrized backend (call it inside the event loop)."""
+@pytest.fixture
+def make_leased(make_redis: Callable[..., RedisQuota]) -> Callable[..., LeasedQuota]:
+    def make(**options: Any) -> LeasedQuota:
+        return LeasedQuota(make_redis(**options))
+
+    return make
+
+
+@pytest.fixture(params=["memory", "redis", "leased"])
+def backend(
+    request: pytest.FixtureRequest, make_redis: Callable[..., RedisQuota], make_leased: Callable[..., LeasedQuota]
+) -> Callable[..., Any]:
+    """make(**options) -> a fresh quota service of the parametrized backend (call it inside the event loop);
+    "leased": Redis with local leases (leases.py), which must decide as Redis does."""
     if request.param == "memory":
         return lambda **options: MemoryQuota(**options)
-    return make_redis
+    return make_redis if request.param == "redis" else make_leased

@@ -43,6 +43,7 @@ from tokenfleet.model.config import ModelConfig
 from tokenfleet.model.tokenizer import Tokenizer
 from tokenfleet.quota.base import QuotaService
 from tokenfleet.quota.failover import FailoverQuota
+from tokenfleet.quota.leases import LeasedQuota
 from tokenfleet.quota.memory import MemoryQuota
 from tokenfleet.quota.redis import RedisQuota
 from tokenfleet.responses.routes import add_response_routes
@@ -92,7 +93,8 @@ def quota_service(config: FleetConfig) -> QuotaService:
         rebalance_interval_s=settings.rebalance_interval_s,
     )
     policy = {name: tier.on_quota_outage for name, tier in config.tiers.items()}
-    return FailoverQuota(redis_quota, MemoryQuota(), policy, breaker_s=settings.retry_after_outage_s)
+    shared: QuotaService = LeasedQuota(redis_quota) if settings.local_leases else redis_quota
+    return FailoverQuota(shared, MemoryQuota(), policy, breaker_s=settings.retry_after_outage_s)
 
 
 def build_gateway(

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tokenfleet.metric_families import counter_family, gauge_family
+from tokenfleet.quota.leases import LeasedQuota
 
 if TYPE_CHECKING:
     from tokenfleet.gateway.admission import Admission
@@ -116,6 +117,7 @@ class AdmissionCollector:
             "tokenfleet_overload_shed", "New requests shed by the overload ladder, by tier.", dict(a.shed), ["tier"]
         )
         yield from _quota_store_metrics(a.quota)
+        yield from _lease_metrics(getattr(a.quota, "primary", a.quota))
 
 
 def _quota_store_metrics(quota):
@@ -141,4 +143,22 @@ def _quota_store_metrics(quota):
         "tokenfleet_quota_pending_reconciles",
         "Reconciliations waiting for the quota store to return.",
         {(): quota.pending_reconciles},
+    )
+
+
+def _lease_metrics(quota):
+    """What the quota's local leases decided and hold (absent without them)."""
+    if not isinstance(quota, LeasedQuota):
+        return
+    yield counter_family(
+        "tokenfleet_quota_local_decisions",
+        "Quota decisions made in this process from a lease of the scope's budget.",
+        {(): quota.local_decisions},
+        [],
+    )
+    yield gauge_family("tokenfleet_quota_leases", "Leases this process holds.", {(): quota.leases_held})
+    yield gauge_family(
+        "tokenfleet_quota_lease_free_slots",
+        "Concurrency slots this process's leases hold in Redis with no request in them.",
+        {(): quota.free_slots},
     )

@@ -42,6 +42,7 @@ class Reservation:
     day: str  # UTC day (YYYY-MM-DD) the daily budget was charged on, so reconcile hits the same counter
     backend: str  # which backend holds it ("redis" / "memory"), so failover reconciles in the right place
     slice: int | None = None  # the slice of a hot tenant that was charged (Redis only); None: not sliced
+    leased: bool = False  # decided from a gateway process's lease (quota/leases.py): settled in that process only
 
 
 @dataclass(frozen=True)

@@ -610,3 +610,88 @@ end
 return replies
 """
 )
+
+# A local lease (leases.py): budget of ONE scope a gateway process takes ahead, to decide its requests' reserves and
+# reconciles in memory. KEYS: the scope's hash and lease zset. ARGV: slot members' prefix, requests, tokens, slots,
+# lease_s, keep, then rpm tpm conc tpd. Granted only when no limit is 0 and every limited dimension keeps at least
+# `keep` of its limit afterwards (near a limit, each request is decided here, exactly, as RESERVE does);
+# charges the requests and tokens as RESERVE charges one request, and adds the slots to the zset as members
+# prefix..i (1..slots) expiring after lease_s, as a request's lease does. Returns [granted, now, day, requests,
+# tokens, live, used] as seen before charging (as RESERVE replies a scope).
+LEASE = (
+    PRELUDE
+    + r"""
+local prefix, n, tokens, slots = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local lease, keep = tonumber(ARGV[5]), tonumber(ARGV[6])
+local lim = limits_at(7)
+local now = clock()
+local day = math.floor(now / DAY)
+local now_text = num(now)
+local st, h = read_scope(KEYS[1], lim, 1, now, day)
+local ok, live = lim[1] ~= 0 and lim[2] ~= 0 and lim[3] ~= 0 and lim[4] ~= 0, '-'
+if lim[3] >= 0 then
+  live = redis.call('ZCARD', KEYS[2])
+  if live + slots > lim[3] * (1 - keep) then
+    live = live - redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_text)
+    if live + slots > lim[3] * (1 - keep) then ok = false end
+  end
+end
+if lim[1] >= 0 and st[1] - n < lim[1] * keep then ok = false end
+if lim[2] >= 0 and st[2] - tokens < lim[2] * keep then ok = false end
+if lim[4] >= 0 and st[3] + tokens > lim[4] * (1 - keep) then ok = false end
+local out = {ok and 1 or 0, now_text, day, level(st[1]), level(st[2]), count(live), count(st[3])}
+if ok then
+  if lim[1] > 0 then st[1] = st[1] - n end
+  if lim[2] > 0 then st[2] = st[2] - tokens end
+  if lim[4] > 0 then st[3] = st[3] + tokens end
+  if lim[1] > 0 or lim[2] > 0 or lim[4] > 0 then write_scope(KEYS[1], lim, st, 1, now_text, now, day, h) end
+  if lim[3] > 0 and slots > 0 then
+    local members, lease_end = {}, num(now + lease)
+    for i = 1, slots do
+      members[#members + 1] = lease_end; members[#members + 1] = prefix .. i
+    end
+    redis.call('ZADD', KEYS[2], unpack(members))
+    redis.call('PEXPIRE', KEYS[2], math.ceil((lease + 60) * 1000))
+  end
+end
+return out
+"""
+)
+
+# What leases give back, each once (a marker per settlement, as RECONCILE's), many leases in one call. KEYS: per
+# settlement its scope's hash and lease zset, and its marker. ARGV: marker ttl s, then per settlement: requests back,
+# tokens back (< 0: charges the lease's debt, as a reconcile's extra does), day number the lease was charged on, rpm
+# tpm conc tpd, the number of slot members to remove, then those members. Buckets are refilled by what comes back,
+# never above their limits; the daily budget only on the lease's day. Returns per settlement 1, or 0 when it was
+# made before.
+SETTLE = (
+    PRELUDE
+    + r"""
+local ttl, now = ARGV[1], clock()
+local day, now_text = math.floor(now / DAY), num(now)
+local out, at = {}, 2
+for k = 1, #KEYS / 3 do
+  local hash, zset, marker = KEYS[3 * k - 2], KEYS[3 * k - 1], KEYS[3 * k]
+  local back_r, back_t, charged_day = tonumber(ARGV[at]), tonumber(ARGV[at + 1]), tonumber(ARGV[at + 2])
+  local lim = limits_at(at + 3)
+  local members = tonumber(ARGV[at + 7])
+  local first = at + 8
+  at = first + members
+  if redis.call('SET', marker, '1', 'NX', 'EX', ttl) then
+    local daily = lim[4] > 0 and charged_day == day and back_t ~= 0
+    if (lim[1] > 0 and back_r ~= 0) or (lim[2] > 0 and back_t ~= 0) or daily then
+      local st, h = read_scope(hash, lim, 1, now, day)
+      if lim[1] > 0 then st[1] = math.min(lim[1], st[1] + back_r) end
+      if lim[2] > 0 then st[2] = math.min(lim[2], st[2] + back_t) end
+      if daily then st[3] = math.max(0, st[3] - back_t) end
+      write_scope(hash, lim, st, 1, now_text, now, day, h)
+    end
+    if members > 0 then redis.call('ZREM', zset, unpack(ARGV, first, at - 1)) end
+    out[k] = 1
+  else
+    out[k] = 0
+  end
+end
+return out
+"""
+)

@@ -150,7 +150,7 @@ class RedisQuota(CheckedQuota):
         )
         return PreparedScopes(plan, limits, reserve, reconcile, self.store.key(plan.tag, "reconciled", ""))
 
-    def _keys(self, plan: SlicePlan, scope: Scope) -> tuple[str, str]:
+    def scope_keys(self, plan: SlicePlan, scope: Scope) -> tuple[str, str]:
         """The scope's hash and lease zset in the plan's slice."""
         return self._scope_keys(plan.tag, scope.name)
 
@@ -200,7 +200,7 @@ class RedisQuota(CheckedQuota):
 
     async def _extend(self, reservation: Reservation, at_least: int, at_most: int) -> Reservation | None:
         plan = self.plan(reservation.scopes[0].tenant, reservation.slice)
-        keys = [self._keys(plan, s)[0] for s in reservation.scopes]
+        keys = [self.scope_keys(plan, s)[0] for s in reservation.scopes]
         keys.append(self.store.key(plan.tag, "reconciled", reservation.request_id))
         if plan.sliced:
             keys.append(self.store.key(plan.tag, "share"))
@@ -219,10 +219,10 @@ class RedisQuota(CheckedQuota):
         """What `scope` has left now in this gateway's slice (read only)."""
         plan = self.plan(scope.tenant)
         lim = plan.limits(scope.limits)
-        keys = list(self._keys(plan, scope))
+        keys = list(self.scope_keys(plan, scope))
         if plan.sliced:
             keys.append(self.store.key(plan.tag, "share"))
-        reply = text(await self.store.run(INSPECT, keys, [*_limit_numbers(lim), _s0(plan)])).split(" ")
+        reply = text(await self.store.run(INSPECT, keys, [*limit_numbers(lim), _s0(plan)])).split(" ")
         rpm, tpm, live, used = map(_number, reply[1:5])
         conc, tpd = lim.concurrent_requests, lim.tokens_per_day
         return Remaining(
@@ -263,7 +263,7 @@ class RedisQuota(CheckedQuota):
 
 
 @functools.lru_cache(maxsize=4096)
-def _limit_numbers(lim: Limits) -> tuple[int, int, int, int]:
+def limit_numbers(lim: Limits) -> tuple[int, int, int, int]:
     """One scope's limits as the scripts take them: rpm tpm conc tpd, -1 for unlimited."""
     return tuple(  # type: ignore[return-value]
         -1 if v is None else v
@@ -273,11 +273,11 @@ def _limit_numbers(lim: Limits) -> tuple[int, int, int, int]:
 
 @functools.lru_cache(maxsize=4096)
 def _packed_limits(lim: Limits) -> bytes:
-    return bulks(_limit_numbers(lim))
+    return bulks(limit_numbers(lim))
 
 
 def _limit_args(limits: Iterable[Limits]) -> list[int]:
-    return [number for lim in limits for number in _limit_numbers(lim)]
+    return [number for lim in limits for number in limit_numbers(lim)]
 
 
 def _number(value: str) -> float | None:

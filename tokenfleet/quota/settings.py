@@ -17,6 +17,10 @@ class QuotaSettings:
     # while a Redis decision is on its way, a caller with ample room at its last one has its replica asked already
     # (gateway/ahead.py); a refused request's replica work is stopped before anything reaches the client
     ask_replica_ahead: bool = True
+    # far from its limits, a scope's requests are decided in the gateway process from budget taken from Redis ahead
+    # (quota/leases.py): no round trip per decision; limits hold across gateways as without; near a limit (the last
+    # quarter of any), every request is decided in Redis
+    local_leases: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "redis", "memory"):

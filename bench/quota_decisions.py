@@ -5,17 +5,22 @@ and what latency a decision adds. Run by hand, never from the test suite:
     python bench/quota_decisions.py                       # 300 tenants, 1/16/64 pairs in flight, 3 x 5 s, medians
     python bench/quota_decisions.py --seconds 2 --repeats 1 --concurrency 1,64
     python bench/quota_decisions.py --rate 10000 --concurrency 64   # open loop: 10,000 pairs/s offered, <= 64 at once
+    python bench/quota_decisions.py --kinds redis,leased              # Redis per decision, and with local leases
 
 Workload: --tenants organisations with 10 users each; every pair picks a random (organisation, user), reserves
 200-2000 tokens on both scopes (the "paid" tier's default limits: generous, so nearly every request is admitted and
 the full charge path runs), then reconciles with a random 10-100 % of it. --concurrency such pairs run at once in
-one asyncio process (one RedisQuota, a pool of --pool connections). Reported per run: pairs/s (one decision and
+one asyncio process (one RedisQuota, a pool of --pool connections; "leased": a LeasedQuota on it, quota/leases.py,
+which decides from leases of each scope's budget), each pair on a fresh turn of the event loop, as a request's
+would be. Each run first does --warmup seconds of the same work, untimed (leases and connections there, as in a
+gateway that has been running). Reported per run: pairs/s (one decision and
 its settlement = two script calls), p50/p99 of the reserve and of the reconcile call, the server time per script
 call (Redis INFO commandstats, evalsha), redis-server's CPU time per pair (from /proc: what caps one Redis core)
 and the commands its scripts ran per pair (commandstats: each redis.call() costs server time, whatever it does;
 both count every client of that Redis, so they read true only while the benchmark is its only client), the CPU time
 this process spent per pair (the benchmark's own loop included: what caps one gateway core), script calls
-per round trip to Redis (RedisQuota batches the calls of one event-loop tick), and "other CPU": machine CPU time
+per round trip to Redis (RedisQuota batches the calls of one event-loop tick), script calls Redis ran per pair (a
+batch call counts once), the share of decisions made from a lease (leased), and "other CPU": machine CPU time
 not used by this process or by redis-server during the window, as a share of all cores (other work on a shared
 machine; above ~0.1, rerun).
 

@@ -50,8 +50,8 @@ def chunked(body: bytes) -> bytes:
 
 
 class BurstReplica:
-    """An OpenAI-compatible replica on a real socket: BURST chat chunks (continuous usage) in one write, a pause,
-    SECOND_BURST more, the usage chunk and [DONE] in one more write."""
+    """An OpenAI-compatible replica on a real socket: its headers, a pause, BURST chat chunks (continuous usage) in
+    one write, a pause, SECOND_BURST more, the usage chunk and [DONE] in one more write."""
 
     def __init__(self, pause_s: float = 0.3) -> None:
         self.pause_s, self.requests = pause_s, 0
@@ -91,6 +91,8 @@ class BurstReplica:
                 writer.write(
                     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
                 )
+                await writer.drain()
+                await asyncio.sleep(self.pause_s)  # the client is reading by then: what the first token's read is
                 writer.write(chunked(b"".join(sse(self._chunk(i, total)) for i in range(BURST))))
                 await writer.drain()
                 await asyncio.sleep(self.pause_s)

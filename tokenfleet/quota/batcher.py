@@ -36,7 +36,9 @@ class TickBatcher(Generic[Item]):
         self._futures.append(future)
         if self._scheduled_on is not loop:
             self._scheduled_on = loop
-            loop.call_soon(self._take)
+            task = loop.create_task(self._tick())  # its first step runs on the loop's next turn, as call_soon would
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
         return future
 
     async def wait_idle(self) -> None:
@@ -44,17 +46,21 @@ class TickBatcher(Generic[Item]):
         while self._running:
             await asyncio.gather(*self._running, return_exceptions=True)
 
-    def _take(self) -> None:
+    async def _tick(self) -> None:
+        """The tick's calls: the first batch flushed by this task itself (no further turn of the loop before it goes
+        out), any others by tasks of their own, at the same time."""
         items, futures = self._items, self._futures
         self._items, self._futures, self._scheduled_on = [], [], None
         live = [i for i, future in enumerate(futures) if not future.done()]  # done: its caller was cancelled
-        for start in range(0, len(live), self.max_batch):
-            chosen = live[start : start + self.max_batch]
+        batches = [live[start : start + self.max_batch] for start in range(0, len(live), self.max_batch)]
+        for chosen in batches[1:]:
             task = asyncio.get_running_loop().create_task(
                 self._answer([items[i] for i in chosen], [futures[i] for i in chosen])
             )
             self._running.add(task)
             task.add_done_callback(self._running.discard)
+        if batches:
+            await self._answer([items[i] for i in batches[0]], [futures[i] for i in batches[0]])
 
     async def _answer(self, items: list[Item], futures: list[asyncio.Future[object]]) -> None:
         self.batches += 1

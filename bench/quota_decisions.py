@@ -341,7 +341,7 @@ def main() -> None:
     try:
         for concurrency in (int(c) for c in args.concurrency.split(",")):
             kinds = args.kinds.split(",")
-            for kind in kinds if args.rate is None else [k for k in kinds if k in ("redis", "leased")]:
+            for kind in kinds if args.rate is None else [k for k in kinds if k != "redis-py"]:
                 runs = [measure(kind, args, concurrency, seed, sync, redis_pid, prefix) for seed in range(args.repeats)]
                 rows.append(summarize(runs))
                 print(f"# {kind} x{concurrency}: {rows[-1]['per_s']:.0f}/s", file=sys.stderr, flush=True)

@@ -12,8 +12,10 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tests.quota.helpers import org, run, user
-from tokenfleet.quota import Decision, RedisQuota
+import pytest
+
+from tests.quota.helpers import Proxy, org, run, user
+from tokenfleet.quota import Decision, QuotaStoreError, RedisQuota
 from tokenfleet.quota.leases import LeasedQuota
 
 PAID_ORG = dict(requests_per_minute=6000, tokens_per_minute=2_000_000, concurrent_requests=256)
@@ -202,5 +204,42 @@ def test_limits_too_small_to_share_out_never_get_a_lease(prefix):
                 assert decision.allowed and decision.reservation is not None
                 await quota.reconcile(decision.reservation, 1)
             assert quota.local_decisions == 0 and not quota._leases
+
+    run(main())
+
+
+def test_while_redis_is_down_leases_go_on_a_lease_not_taken_is_an_outage_and_what_is_due_goes_back_later(prefix):
+    async def main() -> None:
+        proxy = Proxy()
+        await proxy.start()
+        inner = RedisQuota.from_url(f"redis://127.0.0.1:{proxy.port}", prefix)
+        quota = LeasedQuota(inner, idle_s=0.2)
+        try:
+            scopes = [org("t", tokens_per_minute=1_600_000, tokens_per_day=10**7)]
+            held = [await quota.reserve(f"r{i}", scopes, 100) for i in range(3)]
+            assert all(d.allowed for d in held) and quota.local_decisions >= 1
+            await proxy.stop()
+            more = await quota.reserve("during", scopes, 100)  # from the lease it holds: no Redis needed
+            assert more.allowed and more.reservation is not None and more.reservation.leased
+            with pytest.raises(QuotaStoreError):  # a scope with no lease: the failover's outage path
+                await quota.reserve("other", [org("u", tokens_per_minute=1_600_000)], 100)
+            for decision in [*held, more]:
+                assert decision.reservation is not None
+                await quota.reconcile(decision.reservation, 40)
+            await asyncio.sleep(1.5)  # idle: stopped, its settlement fails and is kept
+            assert quota.leases_held >= 1
+            await proxy.start()
+            for _ in range(100):
+                if not quota.leases_held:
+                    break
+                await asyncio.sleep(0.05)
+            assert not quota.leases_held, "what the lease held never went back"
+            direct = RedisQuota.from_url("redis://127.0.0.1:6379", prefix)
+            left = await direct.remaining(scopes[0])
+            await direct.close()
+            assert left.tokens_today == 10**7 - 4 * 40, left
+        finally:
+            await quota.close()
+            await proxy.stop()
 
     run(main())

@@ -243,3 +243,29 @@ def test_while_redis_is_down_leases_go_on_a_lease_not_taken_is_an_outage_and_wha
             await proxy.stop()
 
     run(main())
+
+
+def test_a_living_gateways_lease_slots_are_renewed_and_a_killed_ones_expire_soon(prefix):
+    async def main() -> None:
+        inner = RedisQuota.from_url("redis://127.0.0.1:6379", prefix)
+        quota = LeasedQuota(inner, slot_ttl_s=1.0)
+        scope = org("t", concurrent_requests=64, requests_per_minute=10**6)
+        zset = inner.scope_keys(inner.plan("t"), scope)[1]
+        running = [await quota.reserve(f"r{i}", [scope], 1) for i in range(3)]  # never reconciled
+        assert all(d.allowed and d.reservation is not None and d.reservation.leased for d in running)
+
+        async def live() -> int:
+            return int(await inner.store.command("ZCOUNT", zset, repr(time.time()), "+inf"))
+
+        held = await live()
+        assert held >= 3
+        await asyncio.sleep(2.5)  # past the slots' first expiry: renewed meanwhile
+        assert await live() == held, "a living gateway's slots expired"
+        assert quota._settler is not None
+        quota._settler.cancel()  # killed: nothing renews or gives back any more
+        await asyncio.gather(quota._settler, return_exceptions=True)
+        await asyncio.sleep(1.5)
+        assert await live() == 0, "a dead gateway's lease slots still count"
+        await inner.close()
+
+    run(main())

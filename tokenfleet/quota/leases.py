@@ -15,8 +15,9 @@ back, so leases are small and only taken far from the limits:
 A hot tenant's slices (slices.py) share its buckets another way: those requests go to Redis as before.
 
 A gateway killed while holding leases never gives them back: the per-minute buckets refill as after any spending, its
-slots expire after the quota's lease_s as its running requests' do, and its leases' tokens stay counted for that day
-(DAILY_SHARE of the budget per lease at most, two leases per scope: the one granting and the one taken ahead).
+leases' slots (the free ones and those of its running requests) expire within SLOT_TTL_S, since only a living process
+renews them, and its leases' tokens stay counted for that day (DAILY_SHARE of the budget per lease at most, two leases
+per scope: the one granting and the one taken ahead).
 
 Reservations made here are reconciled here (a gateway reconciles what it reserved; they say `leased`); a second
 reconcile of one is ignored, as Redis's marker does. The x-ratelimit-* headers of a decision made here are the scope's levels when the
@@ -42,7 +43,7 @@ from tokenfleet.quota.redis import RedisQuota, limit_numbers
 from tokenfleet.quota.redis_client import UNREACHABLE, Script
 from tokenfleet.quota.rules import DAY_S, ScopeState, day_name, decide
 
-LEASE, SETTLE = Script(lua.LEASE), Script(lua.SETTLE)
+LEASE, SETTLE, REFRESH_SLOTS = Script(lua.LEASE), Script(lua.SETTLE), Script(lua.REFRESH_SLOTS)
 HORIZON_S = 5.0  # a lease holds about this long of this process's demand on its scope
 MIN_REQUESTS = 4  # the fewest requests a lease is worth taking for
 LARGEST_SHARE = 1 / 16  # of each limit, the most one lease takes
@@ -51,6 +52,7 @@ KEEP = 0.25  # Redis grants a lease only while each limited dimension keeps this
 IDLE_S = 5.0  # a lease that granted nothing for this long is given back
 SETTLE_AFTER_S = 0.05  # what stopped leases hold goes back this soon (what comes due meanwhile goes with it)
 CHECK_EVERY_S = 1.0  # how often leases are checked for idleness
+SLOT_TTL_S = 60.0  # a lease's slots expire this long after they were last renewed (every quarter of it, while held)
 SETTLE_BATCH = 64  # leases given back per script call (one call at a time: a lease being taken never waits long)
 STRICT_FOR_S = 1.0  # after a lease was refused, a scope's requests go to Redis this long before trying again
 log = logging.getLogger("tokenfleet.quota")
@@ -208,13 +210,14 @@ class LeasedQuota(CheckedQuota):
         keep: float = KEEP,
         idle_s: float = IDLE_S,
         settle_after_s: float = SETTLE_AFTER_S,
+        slot_ttl_s: float = SLOT_TTL_S,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if not horizon_s > 0 or not 0 < largest_share <= 1 or not 0 <= keep < 1 or not idle_s > 0:
             raise ValueError("horizon_s and idle_s must be positive, largest_share in (0, 1], keep in [0, 1)")
         self.inner, self.clock = inner, clock
         self.horizon_s, self.largest_share, self.keep = horizon_s, largest_share, keep
-        self.idle_s, self.settle_after_s = idle_s, settle_after_s
+        self.idle_s, self.settle_after_s, self.slot_ttl_s = idle_s, settle_after_s, slot_ttl_s
         self.local_decisions = 0  # reserves decided from a lease (for metrics and tests)
         self.leases_taken = self.settlements = 0
         self._id = uuid.uuid4().hex[:16]
@@ -229,7 +232,7 @@ class LeasedQuota(CheckedQuota):
         self._strict_until: dict[str, float] = {}  # scope name -> decided in Redis until then
         self._settler: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
-        self._checked = self._swept = 0.0
+        self._checked = self._swept = self._renewed = 0.0
 
     @property
     def leases_held(self) -> int:
@@ -423,7 +426,8 @@ class LeasedQuota(CheckedQuota):
         reply = await self.inner.store.run(
             LEASE,
             [hash_key, zset_key],
-            [f"{lease_id}#", size.requests, size.tokens, size.slots, self.inner.lease_s, repr(self.keep)]
+            [f"{lease_id}#", size.requests, size.tokens, size.slots, repr(self.slot_ttl_s), self.inner.lease_s]
+            + [repr(self.keep)]
             + list(limit_numbers(scope.limits)),
         )
         now = self.clock()
@@ -482,7 +486,7 @@ class LeasedQuota(CheckedQuota):
         meanwhile goes in the same round of calls); stops leases that are idle or of a past day."""
         while self._leases or self._next or self._stopped:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), CHECK_EVERY_S)
+                await asyncio.wait_for(self._wake.wait(), min(CHECK_EVERY_S, self.slot_ttl_s / 4))
             await asyncio.sleep(self.settle_after_s)
             self._wake.clear()
             now = self.clock()
@@ -490,11 +494,26 @@ class LeasedQuota(CheckedQuota):
                 self._checked = now
                 self._stop_unused(now)
             try:
+                if now - self._renewed >= self.slot_ttl_s / 4:
+                    await self._renew_slots()
+                    self._renewed = now
                 await self._settle_due()
             except UNREACHABLE as e:  # kept due: given back once Redis is reachable again
                 log.debug("quota: leases could not be given back yet: %r", e)
                 await asyncio.sleep(CHECK_EVERY_S)
             self._sweep(now)
+
+    async def _renew_slots(self) -> None:
+        """Renews the slots every lease holds (SETTLE_BATCH leases a call), so that only a gateway that died lets
+        its leases' slots expire."""
+        slotted = [lease for lease in (*self._leases.values(), *self._next.values(), *self._stopped) if lease.slotted]
+        for start in range(0, len(slotted), SETTLE_BATCH):
+            batch = slotted[start : start + SETTLE_BATCH]
+            keys = [self.inner.scope_keys(self.inner.plan(lease.scope.tenant), lease.scope)[1] for lease in batch]
+            args: list[str | int] = [repr(self.slot_ttl_s)]
+            for lease in batch:
+                args += [f"{lease.id}#", lease.size.slots]
+            await self.inner.store.run(REFRESH_SLOTS, keys, args)
 
     def _stop_unused(self, now: float) -> None:
         day = int(now // DAY_S)

@@ -613,17 +613,18 @@ return replies
 
 # A local lease (leases.py): budget of ONE scope a gateway process takes ahead, to decide its requests' reserves and
 # reconciles in memory. KEYS: the scope's hash and lease zset. ARGV: slot members' prefix, requests, tokens, slots,
-# lease_s, keep, then rpm tpm conc tpd. Granted only when no limit is 0 and every limited dimension keeps at least
-# `keep` of its limit afterwards (near a limit, each request is decided here, exactly, as RESERVE does);
+# slot_ttl, lease_s, keep, then rpm tpm conc tpd. Granted only when no limit is 0 and every limited dimension keeps
+# at least `keep` of its limit afterwards (near a limit, each request is decided here, exactly, as RESERVE does);
 # charges the requests and tokens as RESERVE charges one request, and adds the slots to the zset as members
-# prefix..i (1..slots) expiring after lease_s, as a request's lease does. Returns [granted, now, day, requests,
-# tokens, live, used] as seen before charging (as RESERVE replies a scope).
+# prefix..i (1..slots) expiring after slot_ttl (REFRESH_SLOTS renews them while their gateway lives: a killed one's
+# come free soon); the zset's own TTL is RESERVE's, from lease_s. Returns [granted, now, day, requests, tokens, live,
+# used] as seen before charging (as RESERVE replies a scope).
 LEASE = (
     PRELUDE
     + r"""
 local prefix, n, tokens, slots = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local lease, keep = tonumber(ARGV[5]), tonumber(ARGV[6])
-local lim = limits_at(7)
+local slot_ttl, lease, keep = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local lim = limits_at(8)
 local now = clock()
 local day = math.floor(now / DAY)
 local now_text = num(now)
@@ -646,7 +647,7 @@ if ok then
   if lim[4] > 0 then st[3] = st[3] + tokens end
   if lim[1] > 0 or lim[2] > 0 or lim[4] > 0 then write_scope(KEYS[1], lim, st, 1, now_text, now, day, h) end
   if lim[3] > 0 and slots > 0 then
-    local members, lease_end = {}, num(now + lease)
+    local members, lease_end = {}, num(now + slot_ttl)
     for i = 1, slots do
       members[#members + 1] = lease_end; members[#members + 1] = prefix .. i
     end
@@ -693,5 +694,25 @@ for k = 1, #KEYS / 3 do
   end
 end
 return out
+"""
+)
+
+# Renews the slots of leases a gateway holds. KEYS: per lease its scope's zset. ARGV: slot_ttl, then per lease its
+# slot members' prefix and number of slots. Members already given back stay gone (ZADD XX only updates).
+REFRESH_SLOTS = (
+    PRELUDE
+    + r"""
+local until_text = num(clock() + tonumber(ARGV[1]))
+for k = 1, #KEYS do
+  local prefix, slots = ARGV[2 * k], tonumber(ARGV[2 * k + 1])
+  if slots > 0 then
+    local members = {}
+    for i = 1, slots do
+      members[#members + 1] = until_text; members[#members + 1] = prefix .. i
+    end
+    redis.call('ZADD', KEYS[k], 'XX', unpack(members))
+  end
+end
+return 1
 """
 )

@@ -1,28 +1,30 @@
 """Local leases: a gateway process decides most reserves and reconciles in memory, from budget of each scope it took
 from Redis ahead, so a decision costs no round trip and Redis sees a call per lease instead of two per request.
 
-A lease is a real charge in Redis (lua.LEASE): some requests and tokens of one scope's buckets and daily budget,
-and some of its concurrency slots (zset members, expiring as a request's do). Limits therefore hold across every
-gateway, as without leases. What a lease holds but has not granted is unavailable to other gateways until it comes
-back, so leases are small and only taken far from the limits:
+A lease is a real charge in Redis (lua.LEASE): some requests and tokens of one scope's buckets and daily budget, and
+some of its concurrency slots (zset members). Limits therefore hold across every gateway, as without leases. What a
+lease holds but has not granted is unavailable to other gateways until it comes back, so leases are small and only
+taken far from the limits:
 - a lease takes at most LARGEST_SHARE of each limit (DAILY_SHARE of a daily budget), and about HORIZON_S of this
   process's demand on the scope;
 - Redis grants one only while every limited dimension keeps KEEP of its limit afterwards; near a limit (or with
   limits too small to share out) each request is decided in Redis as before, after this process has given back
   what it held of those scopes, so near a limit decisions are exactly the strict ones;
+- the next lease is taken ahead, when one is half used (or its last slot taken), and grants once that one cannot;
 - a lease that stops granting (used up, replaced, idle for IDLE_S, its day over) gives back at once what it did not
-  grant; what its requests did not use, and their slots, go back as they finish (every SETTLE_EVERY_S).
+  grant; what its requests did not use, and their slots, go back as they finish (lua.SETTLE, SETTLE_AFTER_S after
+  the first is due, SETTLE_BATCH leases a call).
 A hot tenant's slices (slices.py) share its buckets another way: those requests go to Redis as before.
 
 A gateway killed while holding leases never gives them back: the per-minute buckets refill as after any spending, its
 leases' slots (the free ones and those of its running requests) expire within SLOT_TTL_S, since only a living process
-renews them, and its leases' tokens stay counted for that day (DAILY_SHARE of the budget per lease at most, two leases
-per scope: the one granting and the one taken ahead).
+renews them (lua.REFRESH_SLOTS), and its leases' tokens stay counted for that day (DAILY_SHARE of the budget per lease
+at most, two leases per scope: the one granting and the one taken ahead).
 
 Reservations made here are reconciled here (a gateway reconciles what it reserved; they say `leased`); a second
-reconcile of one is ignored, as Redis's marker does. The x-ratelimit-* headers of a decision made here are the scope's levels when the
-lease was taken, refilled since, less what this process took from it since: other gateways' use since then is not
-in them."""
+reconcile of one is ignored, as Redis's marker does. The x-ratelimit-* headers of a decision made here are the
+scope's levels when the lease was taken, refilled since, less what this process took from it since: other gateways'
+use since then is not in them."""
 
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ from tokenfleet.quota.rules import DAY_S, ScopeState, day_name, decide
 LEASE, SETTLE, REFRESH_SLOTS = Script(lua.LEASE), Script(lua.SETTLE), Script(lua.REFRESH_SLOTS)
 HORIZON_S = 5.0  # a lease holds about this long of this process's demand on its scope
 MIN_REQUESTS = 4  # the fewest requests a lease is worth taking for
+DEMAND_TAU_S = 1.0  # the time constant of the demand's request rate (a gateway's demand follows its load quickly)
 LARGEST_SHARE = 1 / 16  # of each limit, the most one lease takes
 DAILY_SHARE = 1 / 256  # of a daily budget, the most one lease takes (a killed gateway's leases count as used today)
 KEEP = 0.25  # Redis grants a lease only while each limited dimension keeps this share of its limit afterwards
@@ -67,8 +70,7 @@ class _Demand:
     at: float = 0.0
 
     def note(self, now: float, tokens: int) -> None:
-        tau = 1.0
-        self.rate = self.rate * math.exp(-max(0.0, now - self.at) / tau) + 1 / tau
+        self.rate = self.rate * math.exp(-max(0.0, now - self.at) / DEMAND_TAU_S) + 1 / DEMAND_TAU_S
         self.tokens = float(tokens) if not self.tokens else 0.8 * self.tokens + 0.2 * tokens
         self.at = now
 
@@ -143,12 +145,8 @@ class _Lease:
             (self.free if self.granting else self.released).append(slot)
 
     def low(self, tokens: float) -> bool:
-        """Half used up (or its last slot in use): time to take the next one, while this one still grants."""
-        return (
-            self.requests * 2 <= self.size.requests
-            or self.tokens < 2 * tokens
-            or (self.slotted and len(self.free) <= 1)
-        )
+        """Half used up (or its last slot taken): time to take the next one, while this one still grants."""
+        return self.requests * 2 <= self.size.requests or self.tokens < 2 * tokens or (self.slotted and not self.free)
 
     def settlement(self) -> _Settlement | None:
         """What to give back now (the same one again until Redis has it); None: nothing."""

@@ -13,7 +13,7 @@ import yaml
 
 from tests.gateway.conftest import MODEL, replica_args
 from tests.gateway.test_serve import parse_events, stream_body, text_of
-from tests.servers import free_port, running_process
+from tests.servers import free_port, metric, running_process
 
 
 def test_sdk_through_the_gateway_spreads_over_replicas(fleet):
@@ -41,6 +41,19 @@ def test_sdk_through_the_gateway_spreads_over_replicas(fleet):
         model=MODEL, prompt="The list", max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
     )
     assert reply.usage.completion_tokens == 4
+
+
+def test_far_from_its_limits_a_tenant_is_decided_from_the_gateways_quota_leases(fleet):
+    """The fleet gateway's quota is Redis with local leases (quota.local_leases, the default): a paid tenant's
+    requests are decided in the gateway, and the lease's slots it holds are counted apart."""
+    client = openai.OpenAI(base_url=f"{fleet.base}/v1", api_key=fleet.keys["paid"], max_retries=0)
+    before = metric(fleet.base, "tokenfleet_quota_local_decisions_total")
+    for i in range(3):
+        reply = client.completions.create(model=MODEL, prompt=f"Count {i}", max_tokens=2, temperature=0)
+        assert reply.usage.completion_tokens >= 1
+    assert metric(fleet.base, "tokenfleet_quota_local_decisions_total") - before == 3
+    assert metric(fleet.base, "tokenfleet_quota_leases") >= 2  # the organisation's and the user's
+    assert metric(fleet.base, "tokenfleet_quota_lease_free_slots") >= 1
 
 
 def test_resume_from_redis(fleet):

@@ -26,6 +26,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from tokenfleet.api.errors import APIError
 from tokenfleet.api.usage import Usage
 from tokenfleet.gateway.resume import REDIS_FAILURES, Follower, MemoryResumeBuffer, RedisResumeBuffer, StreamEvent
+from tokenfleet.quota.redis_client import Once
 
 log = logging.getLogger(__name__)
 UNSHARED = "the resume buffer failed while this request streamed: its remaining events could not be kept for a resume"
@@ -76,16 +77,12 @@ class FleetResumeBuffer:
     async def append_many(
         self, request_id: str, events: list[StreamEvent], shown: Callable[[], None] | None = None
     ) -> None:
-        copied = False
+        def copy_now() -> None:
+            self.local.add_many(request_id, events)
+            if shown is not None:
+                shown()
 
-        def copy() -> None:
-            nonlocal copied
-            if not copied:
-                copied = True
-                self.local.add_many(request_id, events)
-                if shown is not None:
-                    shown()
-
+        copy = Once(copy_now)  # when the write has left for Redis, else after its answer (or without Redis)
         if request_id not in self.unshared:
             await self._share(request_id, self.shared.append_sent(request_id, events, copy))
         copy()

@@ -37,6 +37,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 from tokenfleet.quota import lua
 from tokenfleet.quota.base import Decision, Remaining, Reservation, Scope
@@ -162,6 +163,15 @@ class _Lease:
                 self.free = []
         return self.pending
 
+    def unclaimed(self) -> tuple[int, int, int]:
+        """Requests, tokens and slots it holds in Redis that no request here has: not granted, come back, or on their
+        way back (its pending settlement)."""
+        requests, tokens, slots = self.requests, self.tokens, len(self.free) + len(self.released)
+        if self.pending is not None:
+            requests, tokens = requests + self.pending.requests, tokens + self.pending.tokens
+            slots += len(self.pending.slots)
+        return requests, tokens, slots
+
     @property
     def done(self) -> bool:
         """Stopped granting, nothing running, everything given back."""
@@ -217,7 +227,6 @@ class LeasedQuota(CheckedQuota):
         self.horizon_s, self.largest_share, self.keep = horizon_s, largest_share, keep
         self.idle_s, self.settle_after_s, self.slot_ttl_s = idle_s, settle_after_s, slot_ttl_s
         self.local_decisions = 0  # reserves decided from a lease (for metrics and tests)
-        self.leases_taken = self.settlements = 0
         self._id = uuid.uuid4().hex[:16]
         self._numbers = itertools.count(1)
         self._leases: dict[str, _Lease] = {}  # scope name -> the lease that grants
@@ -235,14 +244,16 @@ class LeasedQuota(CheckedQuota):
     @property
     def leases_held(self) -> int:
         """Leases granting, taken ahead, or stopped with something not yet given back."""
-        return len(self._leases) + len(self._next) + len(self._stopped)
+        return len(self._every())
 
     @property
     def free_slots(self) -> int:
         """Concurrency slots the leases hold in Redis that no request of this process is in."""
-        every = (*self._leases.values(), *self._next.values(), *self._stopped)
-        pending = sum(len(lease.pending.slots) for lease in every if lease.pending is not None)
-        return sum(len(lease.free) + len(lease.released) for lease in every) + pending
+        return sum(lease.unclaimed()[2] for lease in self._every())
+
+    def _every(self) -> tuple[_Lease, ...]:
+        """Every lease held: granting, taken ahead, or stopped and not done."""
+        return (*self._leases.values(), *self._next.values(), *self._stopped)
 
     async def _reserve(self, request_id: str, scopes: tuple[Scope, ...], tokens: int) -> Decision:
         now = self.clock()
@@ -276,12 +287,8 @@ class LeasedQuota(CheckedQuota):
     async def remaining(self, scope: Scope) -> Remaining:
         """What `scope` has left now: Redis's levels plus what this process holds of it and has not granted."""
         left = await self.inner.remaining(scope)
-        every = (*self._leases.values(), *self._next.values(), *self._stopped)
-        held = [lease for lease in every if lease.scope == scope]
-        pending = [lease.pending for lease in held if lease.pending is not None]
-        requests = sum(lease.requests for lease in held) + sum(p.requests for p in pending)
-        tokens = sum(lease.tokens for lease in held) + sum(p.tokens for p in pending)
-        slots = sum(len(lease.free) + len(lease.released) for lease in held) + sum(len(p.slots) for p in pending)
+        held = [lease.unclaimed() for lease in self._every() if lease.scope == scope]
+        requests, tokens, slots = sum(h[0] for h in held), sum(h[1] for h in held), sum(h[2] for h in held)
         lim = scope.limits
         return Remaining(
             None if left.requests is None else min(left.requests + requests, _at_most(lim.requests_per_minute)),
@@ -324,9 +331,9 @@ class LeasedQuota(CheckedQuota):
         leases = []
         for scope in scopes:
             lease = self._leases.get(scope.name)
-            if lease is None or lease.scope != scope or not lease.grants(tokens, day):
+            if not _grants(lease, scope, tokens, day):
                 ahead = self._next.get(scope.name)
-                if ahead is None or ahead.scope != scope or not ahead.grants(tokens, day):
+                if ahead is None or not _grants(ahead, scope, tokens, day):
                     return None
                 del self._next[scope.name]
                 if lease is not None:
@@ -368,10 +375,9 @@ class LeasedQuota(CheckedQuota):
 
     def _can_grant(self, scope: Scope, tokens: int, day: int) -> bool:
         """Whether the scope's lease, or the one taken ahead, can grant `tokens` now."""
-        for lease in (self._leases.get(scope.name), self._next.get(scope.name)):
-            if lease is not None and lease.scope == scope and lease.grants(tokens, day):
-                return True
-        return False
+        return any(
+            _grants(lease, scope, tokens, day) for lease in (self._leases.get(scope.name), self._next.get(scope.name))
+        )
 
     def _size(self, scope: Scope, tokens: int) -> _Size | None:
         """The lease to take for `scope`, or None when its limits are too small to share out."""
@@ -432,7 +438,6 @@ class LeasedQuota(CheckedQuota):
         if reply[0] != 1:
             self._strict_until[scope.name] = now + STRICT_FOR_S
             return False
-        self.leases_taken += 1
         seen = _Seen(_float(reply[3]), _float(reply[4]), reply[5], reply[6], float(reply[1]))
         lease = _Lease(
             scope,
@@ -504,7 +509,7 @@ class LeasedQuota(CheckedQuota):
     async def _renew_slots(self) -> None:
         """Renews the slots every lease holds (SETTLE_BATCH leases a call), so that only a gateway that died lets
         its leases' slots expire."""
-        slotted = [lease for lease in (*self._leases.values(), *self._next.values(), *self._stopped) if lease.slotted]
+        slotted = [lease for lease in self._every() if lease.slotted]
         for start in range(0, len(slotted), SETTLE_BATCH):
             batch = slotted[start : start + SETTLE_BATCH]
             keys = [self.inner.scope_keys(self.inner.plan(lease.scope.tenant), lease.scope)[1] for lease in batch]
@@ -544,7 +549,6 @@ class LeasedQuota(CheckedQuota):
                 args.append(len(settlement.slots))
                 args += settlement.slots
             await self.inner.store.run(SETTLE, keys, args)
-            self.settlements += len(settling)
             for lease, settlement in settling:
                 if lease.pending is settlement:
                     lease.pending = None
@@ -559,6 +563,11 @@ class LeasedQuota(CheckedQuota):
         self._strict_until = {name: until for name, until in self._strict_until.items() if until > now}
         idle = now - 10 * self.idle_s
         self._demand = {name: d for name, d in self._demand.items() if d.at > idle}
+
+
+def _grants(lease: _Lease | None, scope: Scope, tokens: int, day: int) -> TypeGuard[_Lease]:
+    """Whether `lease` is one of `scope` as it is now (its limits unchanged) and can grant `tokens` today."""
+    return lease is not None and lease.scope == scope and lease.grants(tokens, day)
 
 
 def _at_most(limit: int | None) -> float:

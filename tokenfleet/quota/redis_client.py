@@ -455,7 +455,7 @@ async def run_scripts_on(
     connection disconnected (replies may be left unread on it). `read_timeout_s`: per reply (None: the client's
     socket timeout; math.inf: none, the caller keeps a deadline of its own). `on_sent`: called once, as soon as the
     whole write is in the kernel's hands (it reaches Redis even if this process dies now), else with the replies."""
-    sent = _Once(on_sent)
+    sent = Once(on_sent)
 
     async def exchange() -> list[Any]:
         replies = await _exchange(connection, [call.packed() for call in calls], read_timeout_s, sent)
@@ -478,7 +478,7 @@ async def run_scripts_on(
         raise
 
 
-class _Once:
+class Once:
     """A callback called at most once (None: nothing to call)."""
 
     def __init__(self, callback: Callable[[], None] | None) -> None:
@@ -491,7 +491,7 @@ class _Once:
 
 
 async def _exchange(
-    connection: AbstractConnection, packed: list[bytes], read_timeout_s: float | None, sent: _Once | None = None
+    connection: AbstractConnection, packed: list[bytes], read_timeout_s: float | None, sent: Once | None = None
 ) -> list[Any]:
     """Sends the packed commands in one write and reads one reply per command; an error reply is returned. `sent` is
     called once the write has left this process (asyncio hands a small write to the kernel at once; one it had to

@@ -96,6 +96,7 @@ async def test_resend_unwritten_can_take_only_rows_sent_before_a_time(db: Databa
 async def test_an_open_row_is_not_shipped_until_closed(outbox: Outbox):
     lease = utcnow() + timedelta(seconds=30)
     assert await outbox.open(event(7, output_tokens=0), lease) is True
+    assert await outbox.open(event(7, output_tokens=3), lease) is False  # a second open changes nothing
     assert await outbox.pending() == [] and await outbox.pending_count() == 0
     await outbox.checkpoint([event(7, output_tokens=4)], lease)
     assert await outbox.pending() == []

@@ -1,6 +1,6 @@
-"""How the outbox's group commits commit, on SQLite and PostgreSQL: the opens and closes of one write in one
-transaction (a failure leaves none of them), and a write that is one statement committed on its own, without a
-transaction around it (SQLAlchemy's commit events are counted: none for it, one for a write of two statements)."""
+"""How the outbox's group commits commit, on SQLite and PostgreSQL: the opens and closes of one write are one
+statement, committed on its own without a transaction around it (SQLAlchemy's commit events are counted: none for
+it); a write of more rows than one statement takes is one transaction (one commit; a failure leaves none of them)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from sqlalchemy import event as sa_event
 from sqlalchemy import select
 
 import tokenfleet.metering.outbox as outbox_module
+import tokenfleet.metering.sql as sql_module
 from tests.metering.helpers import event, events
 from tokenfleet.metering import Outbox
 from tokenfleet.store.db import Database
@@ -35,23 +36,37 @@ def counted_commits(db: Database) -> list[int]:
 async def test_a_write_of_one_statement_commits_without_a_transaction(db: Database, outbox: Outbox):
     commits = counted_commits(db)
     lease = utcnow() + timedelta(seconds=30)
-    await outbox.write(events(3), [], lease)  # opens only: one statement
-    await outbox.write([], [event(0)], lease)  # closes only: one statement
+    await outbox.write(events(3), [], lease)  # opens only
+    await outbox.write([], [event(0)], lease)  # closes only
+    await outbox.write([event(5)], [event(1)], lease)  # both: still one statement
     assert commits == []
-    assert await stored(db) == {event(0).request_id: True, event(1).request_id: False, event(2).request_id: False}
-    await outbox.write([event(5)], [event(1)], lease)  # both: one transaction, one commit
+    assert await stored(db) == {
+        event(0).request_id: True,
+        event(1).request_id: True,
+        event(2).request_id: False,
+        event(5).request_id: False,
+    }
+
+
+async def test_a_write_of_several_statements_commits_once(db: Database, outbox: Outbox, monkeypatch):
+    monkeypatch.setattr(outbox_module, "CHUNK_ROWS", 2)
+    monkeypatch.setattr(sql_module, "CHUNK_ROWS", 2)
+    commits = counted_commits(db)
+    await outbox.write(events(2), [event(2)], utcnow() + timedelta(seconds=30))  # three rows: two statements
     assert commits == [1]
-    assert (await stored(db))[event(5).request_id] is False and (await stored(db))[event(1).request_id] is True
+    assert await stored(db) == {event(0).request_id: False, event(1).request_id: False, event(2).request_id: True}
 
 
-async def test_opens_and_closes_of_one_write_commit_together(db: Database, outbox: Outbox, monkeypatch):
-    original = outbox_module._close
+async def test_the_statements_of_one_write_commit_together(db: Database, outbox: Outbox, monkeypatch):
+    monkeypatch.setattr(outbox_module, "CHUNK_ROWS", 2)
+    monkeypatch.setattr(sql_module, "CHUNK_ROWS", 2)
+    original = outbox_module.upsert_where
 
-    async def close_then_fail(connection, closing):
-        await original(connection, closing)
-        raise ConnectionError("the database went away after the close statement")
+    async def write_then_fail(*args, **kwargs):
+        await original(*args, **kwargs)
+        raise ConnectionError("the database went away after the statements")
 
-    monkeypatch.setattr(outbox_module, "_close", close_then_fail)
+    monkeypatch.setattr(outbox_module, "upsert_where", write_then_fail)
     with pytest.raises(ConnectionError):
-        await outbox.write([event(1)], [event(2)], utcnow() + timedelta(seconds=30))
-    assert await stored(db) == {}  # the open written before the failure was rolled back with it
+        await outbox.write([event(1)], [event(2), event(3)], utcnow() + timedelta(seconds=30))
+    assert await stored(db) == {}  # the statements written before the failure were rolled back with it

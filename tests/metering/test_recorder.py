@@ -94,3 +94,40 @@ def test_batch_s_must_be_shorter_than_the_checkpoint_interval():
         UsageRecorder(SlowOutbox(), checkpoint_s=1.0, batch_s=1.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="batch_s"):
         UsageRecorder(SlowOutbox(), batch_s=-0.1)  # type: ignore[arg-type]
+
+
+async def test_the_close_of_an_open_row_rides_along_with_the_next_batch():
+    outbox, (a, b, c) = SlowOutbox(), events(3)
+    recorder = UsageRecorder(outbox, batch_s=0.002, close_batch_s=0.5)  # type: ignore[arg-type]
+    recorder.started(a.request_id, lambda: a)
+    await asyncio.sleep(0.03)
+    assert outbox.batches == [([a.request_id], [])]  # a's row is open
+    recorder.finished(a)
+    await asyncio.sleep(0.03)
+    assert len(outbox.batches) == 1  # its close waits for company
+    recorder.started(b.request_id, lambda: b)  # b's open is due in 2 ms: a's close goes with it
+    recorder.started(c.request_id, lambda: c)
+    recorder.finished(c)  # c's row was never opened: its close is its only write, due as soon as an open
+    await asyncio.sleep(0.03)
+    assert outbox.batches[1:] == [([b.request_id], [a.request_id, c.request_id])]
+
+
+async def test_a_lone_close_of_an_open_row_goes_within_close_batch_s_and_at_once_on_flush():
+    outbox, (a, b) = SlowOutbox(), events(2)
+    recorder = UsageRecorder(outbox, batch_s=0.002, close_batch_s=0.1)  # type: ignore[arg-type]
+    for e in (a, b):
+        recorder.started(e.request_id, lambda e=e: e)
+    await asyncio.sleep(0.03)
+    recorder.finished(a)
+    await asyncio.sleep(0.05)
+    assert outbox.batches == [([a.request_id, b.request_id], [])]
+    await asyncio.sleep(0.1)
+    assert outbox.batches[1:] == [([], [a.request_id])]
+    recorder.finished(b)
+    await recorder.flush()  # shutdown does not wait
+    assert outbox.batches[2:] == [([], [b.request_id])]
+
+
+def test_close_batch_s_is_at_least_batch_s():
+    with pytest.raises(ValueError, match="close_batch_s"):
+        UsageRecorder(SlowOutbox(), batch_s=0.01, close_batch_s=0.005)  # type: ignore[arg-type]

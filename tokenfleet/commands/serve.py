@@ -190,7 +190,9 @@ def usage_recorder(config: FleetConfig, db: Database, buffer: ResumeBuffer) -> U
     settings = config.metering
     # a dead gateway's requests are billed for what their resume streams show was generated (fleet)
     reconcile = reconciler(buffer) if isinstance(buffer, FleetResumeBuffer) else None
-    return UsageRecorder(Outbox(db), settings.lease_s, settings.checkpoint_s, settings.batch_s, reconcile)
+    return UsageRecorder(
+        Outbox(db), settings.lease_s, settings.checkpoint_s, settings.batch_s, reconcile, settings.close_batch_s
+    )
 
 
 def add_metering(gateway: Gateway, config: FleetConfig, db: Database) -> None:

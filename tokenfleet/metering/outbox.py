@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import datetime, timedelta
 
-from sqlalchemy import bindparam, delete, func, select, update
+from sqlalchemy import and_, bindparam, delete, func, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from tokenfleet.metering.event import UsageEvent
@@ -23,7 +23,11 @@ from tokenfleet.store.db import Database
 from tokenfleet.store.models import UsageEventRow, UsageOutboxRow, utcnow
 
 OUTBOX = UsageOutboxRow.__table__
-STILL_OPEN = OUTBOX.c.lease_until.is_not(None)  # built once: part of the cached close statement's key
+STILL_OPEN = OUTBOX.c.lease_until.is_not(None)
+# the rule of every outbox write, opens and closes alike: a new row is inserted; an open row takes a close (its final
+# event); nothing else changes a row (a second open, or anything after the close). Built once: part of the cached
+# statement's key
+CLOSING_AN_OPEN_ROW = and_(STILL_OPEN, OUTBOX.alias("excluded").c.lease_until.is_(None))
 # the row's event is in the warehouse (correlated with the outbox row of the statement it is used in)
 WRITTEN = select(UsageEventRow.request_id).where(UsageEventRow.request_id == UsageOutboxRow.request_id)
 Reconcile = Callable[[UsageEvent], Awaitable[UsageEvent]]
@@ -58,7 +62,7 @@ class Outbox:
     async def open(self, event: UsageEvent, lease_until: datetime) -> bool:
         """Opens the request's row with its provisional event; False when the request already has a row."""
         async with self._writing(1) as connection:
-            return await _open(connection, [event], lease_until) == 1
+            return await _record(connection, [_row(event, lease_until)]) == 1
 
     async def checkpoint(self, events: Sequence[UsageEvent], lease_until: datetime) -> None:
         """Renews the leases of open rows and stores their counts so far (one statement for all of them)."""
@@ -72,18 +76,18 @@ class Outbox:
         """Stores the final event and makes it shippable. False when the row was already closed (by a reaper that
         thought this gateway dead, or an earlier close): the first final word stands."""
         async with self._writing(1) as connection:
-            return await _close(connection, [event]) == 1
+            return await _record(connection, [_row(event, None)]) == 1
 
     async def write(self, opens: Sequence[UsageEvent], closes: Sequence[UsageEvent], lease_until: datetime) -> None:
-        """Opens and closes of many requests in one transaction, as `open` and `close` each would (the recorder's
-        group commit). A request in both is only closed."""
-        closing = {e.request_id for e in closes}
-        opens = [e for e in opens if e.request_id not in closing]
-        if not opens and not closes:
+        """Opens and closes of many requests at once, as `open` and `close` each would (the recorder's group commit):
+        one statement (so no transaction around it) up to CHUNK_ROWS rows, one transaction beyond. A request in both
+        is only closed."""
+        finals = {e.request_id: _row(e, None) for e in closes}  # a statement can change a row only once
+        rows = [_row(e, lease_until) for e in opens if e.request_id not in finals] + list(finals.values())
+        if not rows:
             return
-        async with self._writing(_chunks(opens) + _chunks(closes)) as connection:
-            await _open(connection, opens, lease_until)
-            await _close(connection, closes)
+        async with self._writing(-(-len(rows) // CHUNK_ROWS)) as connection:
+            await _record(connection, rows)
 
     async def reap(
         self,
@@ -184,11 +188,6 @@ class Outbox:
             return (await session.execute(statement.values(sent_at=None))).rowcount
 
 
-def _chunks(events: Sequence[UsageEvent]) -> int:
-    """How many statements writing these events takes (sql.py writes CHUNK_ROWS rows per statement)."""
-    return -(-len(events) // CHUNK_ROWS)
-
-
 def _row(event: UsageEvent, lease_until: datetime | None) -> dict:
     return {
         "request_id": event.request_id,
@@ -199,20 +198,11 @@ def _row(event: UsageEvent, lease_until: datetime | None) -> dict:
     }
 
 
-async def _open(connection: AsyncConnection, events: Sequence[UsageEvent], lease_until: datetime) -> int:
-    """Inserts open rows (a request that already has a row keeps it); returns how many were new."""
-    return await insert_ignoring(connection, OUTBOX, [_row(e, lease_until) for e in events], key="request_id")
-
-
-async def _close(connection: AsyncConnection, events: Sequence[UsageEvent]) -> int:
-    """One upsert: an open row gets its final event, a missing one is inserted closed, a closed one is left as it
-    is. Returns how many this call closed."""
-    finals = {e.request_id: _row(e, None) for e in events}  # one row per request: a statement updates a row once
+async def _record(connection: AsyncConnection, rows: list[dict]) -> int:
+    """Open rows (a lease) and closed ones (none), by the rule of CLOSING_AN_OPEN_ROW, in one upsert per CHUNK_ROWS
+    rows: a new request's row is inserted, open or closed; an open row takes its final event; a second open, or
+    anything once a row is closed, changes nothing. Returns how many rows it inserted or closed. At most one row per
+    request (a statement changes a row once)."""
     return await upsert_where(
-        connection,
-        OUTBOX,
-        list(finals.values()),
-        key="request_id",
-        update=("payload", "lease_until"),
-        only_if=STILL_OPEN,
+        connection, OUTBOX, rows, key="request_id", update=("payload", "lease_until"), only_if=CLOSING_AN_OPEN_ROW
     )

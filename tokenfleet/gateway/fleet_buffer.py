@@ -13,6 +13,7 @@ on unshared, as after any Redis failure."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -57,17 +58,39 @@ class FleetResumeBuffer:
         self.unshared: set[str] = set()  # streams relayed here that Redis does not hold (to their end)
         self._skip_until = 0.0
         self._failing = False
+        self._answers: dict[str, asyncio.Future] = {}  # request id -> its open's answer, while still to come
 
     async def open(self, request_id: str, owner: str = "", kind: str = "openai") -> None:
+        """Returns once the open has left for Redis (RedisResumeBuffer.open_sent: the stream's writes may then go
+        before its answer); the answer comes in the background, and a failure leaves the stream unshared, like a
+        failed write."""
         await self.local.open(request_id, owner, kind)
+        if time.monotonic() < self._skip_until:
+            self.unshared.add(request_id)
+            return
+        sent = asyncio.get_running_loop().create_future()
+        answer = self.shared.open_sent(request_id, owner, kind, lambda: _settle(sent))
+        self._answers[request_id] = answer
+        answer.add_done_callback(lambda _: self._open_answered(request_id, answer))
+        answer.add_done_callback(lambda _: _settle(sent))  # not sent at once (a full socket, a failure): its answer
         try:
-            if time.monotonic() < self._skip_until:
-                self.unshared.add(request_id)
-            else:
-                await self._share(request_id, self.shared.open(request_id, owner, kind))
+            await sent
         except BaseException:  # cancelled: nothing will relay this stream
+            answer.cancel()  # left out of its write if that has not gone yet
             self.release(request_id)
             raise
+
+    def _open_answered(self, request_id: str, answer: asyncio.Future) -> None:
+        if self._answers.get(request_id) is answer:
+            del self._answers[request_id]
+        if answer.cancelled():  # its request was given up before the open went out
+            pass
+        elif (error := answer.exception()) is not None:
+            self._shared_failed(request_id, error)
+        else:
+            self._shared_ok()
+        if not self.local.holds(request_id):  # released meanwhile: the request never started
+            self.unshared.discard(request_id)
 
     async def append(self, request_id: str, event: StreamEvent) -> None:
         if request_id not in self.unshared:
@@ -99,12 +122,18 @@ class FleetResumeBuffer:
         try:
             await write
         except REDIS_FAILURES as e:
-            self.unshared.add(request_id)
-            self._skip_until = time.monotonic() + self.retry_after_s
-            if not self._failing:
-                log.warning("resume buffer: Redis failed (%r); streams go on without resume until it is back", e)
-            self._failing = True
+            self._shared_failed(request_id, e)
             return
+        self._shared_ok()
+
+    def _shared_failed(self, request_id: str, error: BaseException) -> None:
+        self.unshared.add(request_id)
+        self._skip_until = time.monotonic() + self.retry_after_s
+        if not self._failing:
+            log.warning("resume buffer: Redis failed (%r); streams go on without resume until it is back", error)
+        self._failing = True
+
+    def _shared_ok(self) -> None:
         if self._failing:
             log.warning("resume buffer: Redis is back")
         self._failing = False
@@ -140,6 +169,9 @@ class FleetResumeBuffer:
         self.unshared.discard(request_id)
 
     async def discard(self, request_id: str) -> None:
+        answer = self._answers.get(request_id)
+        if answer is not None:  # the open first: the delete, on another connection, could overtake it
+            await asyncio.wait({answer})
         shared = request_id not in self.unshared
         self.release(request_id)
         if shared:  # else Redis may hold its open, left to expire (a request that never started is not resumed)
@@ -151,3 +183,8 @@ class FleetResumeBuffer:
 
     async def keep_alive(self) -> None:
         await self.shared.keep_alive()
+
+
+def _settle(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)

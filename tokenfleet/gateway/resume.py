@@ -254,7 +254,11 @@ for k = 1, writes do
   local status, added_any = 1, false
   for e = 1, entries do
     local n = tonumber(ARGV[at])
-    if status == 1 then
+    local only_new = n < 0
+    if only_new then
+      n = -n
+    end
+    if status == 1 and not (only_new and redis.call('EXISTS', KEYS[k]) == 1) then
       local added = redis.pcall('XADD', KEYS[k], 'MAXLEN', '~', maxlen, '*', unpack(ARGV, at + 1, at + n))
       if type(added) == 'table' and added.err then
         status = added.err
@@ -374,6 +378,7 @@ class RedisResumeBuffer:
         self.owner_lease_s = owner_lease_s
         self.gateway_id = uuid.uuid4().hex if owner_lease_s else ""
         self._writes: TickBatcher[_Write] = TickBatcher(self._write, MAX_WRITES)
+        self._unanswered_opens: dict[str, list[str | int]] = {}  # request id -> its open's entry, until answered
 
     def _key(self, request_id: str) -> str:
         return self.prefix + request_id
@@ -382,10 +387,28 @@ class RedisResumeBuffer:
         return f"{self.prefix}gateway-alive:{gateway_id}"
 
     async def open(self, request_id: str, owner: str = "", kind: str = "openai") -> None:
+        await self.open_sent(request_id, owner, kind, None)
+
+    def open_sent(
+        self, request_id: str, owner: str, kind: str, sent: Callable[[], None] | None
+    ) -> asyncio.Future[object]:
+        """open, queued for this tick's write now; the future is its answer, and `sent` (if given) is called once it
+        has left this process for Redis, before Redis answers. Until the answer, this stream's writes carry the open
+        too, as an entry added only where the stream does not exist yet: whichever of them Redis runs first opens
+        the stream, so a write need not wait for the open's answer (they may go on different connections, in any
+        order)."""
         fields: list[str | int] = [self.OPEN, owner, "format", kind]
         if self.gateway_id:
             fields += ["gateway", self.gateway_id]
-        await self._add(request_id, fields, mark_alive=bool(self.gateway_id))
+        entry: list[str | int] = [-len(fields), *fields]  # negative: only where the stream does not exist
+        self._unanswered_opens[request_id] = entry
+        answer = self._writes.submit(_Write(self._key(request_id), 1, entry, bool(self.gateway_id), sent))
+        answer.add_done_callback(lambda _: self._open_answered(request_id, entry))
+        return answer
+
+    def _open_answered(self, request_id: str, entry: list[str | int]) -> None:
+        if self._unanswered_opens.get(request_id) is entry:
+            del self._unanswered_opens[request_id]
 
     async def append(self, request_id: str, event: StreamEvent) -> None:
         args: list[str | int] = []
@@ -410,10 +433,13 @@ class RedisResumeBuffer:
             if sent is not None:
                 sent()
             return
-        args: list[str | int] = []
+        opening = self._unanswered_opens.get(request_id)
+        args: list[str | int] = [] if opening is None else list(opening)
         for event in events:
             _event_args(event, args)
-        await self._writes.submit(_Write(self._key(request_id), len(events), args, sent=sent))
+        entries = len(events) + (opening is not None)
+        alive = opening is not None and bool(self.gateway_id)  # as its open would
+        await self._writes.submit(_Write(self._key(request_id), entries, args, alive, sent))
 
     async def close(self, request_id: str) -> None:
         await self._add(request_id, [self.END, 1])

@@ -114,9 +114,7 @@ def test_the_relay_starts_and_its_first_token_reaches_a_reader_before_any_answer
             first_token_after = time.monotonic() - started
             assert texts[0] == "Hi"
             # the replica's 0.05 s; before, the open, the start events' write and the token's each added an answer
-            assert first_token_after < DELAY_S / 2, (
-                f"the first token reached a reader after {first_token_after:.3f} s"
-            )
+            assert first_token_after < DELAY_S / 2, f"the first token reached a reader after {first_token_after:.3f} s"
             await asyncio.wait_for(relay.finished.wait(), 10)
             assert relay.written_id == relay.last_id
             assert await stream_ids(direct, prefix + "r3") == list(range(1, relay.last_id + 1))

@@ -164,7 +164,7 @@ async def completion(gateway: Gateway, kind: str, request: Request, native: bool
     admit = gateway.admit(kind, body, caller, native, affinity, request.headers.get("x-tokenfleet-mode"))
     # a client that leaves while its request waits for room gives the room (and its reservation) back
     relay = await until_disconnect(request, admit)
-    headers = relay_headers(gateway, relay)
+    headers = await relay_headers(gateway, relay)
     if isinstance(relay.format, CollectFormat):
         return JSONResponse(await until_disconnect(request, gateway.streams.complete(relay, kind)), headers=headers)
     # OpenAI's streams carry no `id:` lines, and clients such as vLLM's benchmark cannot parse them: the ids
@@ -216,9 +216,10 @@ def _serving_replicas(pools: ModelPools) -> int:
     )
 
 
-def relay_headers(gateway: Gateway, relay: Relay) -> dict[str, str]:
-    """x-request-id, the rate-limit headers of the reservation, and the token that lets a browser's EventSource
-    (which cannot send an Authorization header) resume this one stream."""
+async def relay_headers(gateway: Gateway, relay: Relay) -> dict[str, str]:
+    """x-request-id, the rate-limit headers of the reservation, the token that lets a browser's EventSource (which
+    cannot send an Authorization header) resume this one stream, and whether it can be resumed: known once the
+    stream's open is answered (the relay does not wait for that; its first event usually does not either)."""
     headers = {
         "x-request-id": relay.request_id,
         "x-resume-token": gateway.streams.resume_token(relay.request_id, relay.owner),
@@ -227,6 +228,7 @@ def relay_headers(gateway: Gateway, relay: Relay) -> dict[str, str]:
     deprecated = gateway.router.catalog.models[relay.route.model].deprecated_on
     if deprecated is not None:
         headers["x-tokenfleet-deprecated-on"] = deprecated.isoformat()
+    await gateway.buffer.settled(relay.request_id)
     if not gateway.buffer.resumable(relay.request_id):  # served, but Redis could not keep it for a resume
         headers["x-tokenfleet-resume"] = "unavailable"
     return {**(relay.rate_limit_headers or {}), **headers}

@@ -61,24 +61,16 @@ class FleetResumeBuffer:
         self._answers: dict[str, asyncio.Future] = {}  # request id -> its open's answer, while still to come
 
     async def open(self, request_id: str, owner: str = "", kind: str = "openai") -> None:
-        """Returns once the open has left for Redis (RedisResumeBuffer.open_sent: the stream's writes may then go
-        before its answer); the answer comes in the background, and a failure leaves the stream unshared, like a
-        failed write."""
+        """Returns once the open is queued for this tick's write to Redis: the stream's writes may go before the open's
+        answer, and even before the open itself, which they carry until it is answered (RedisResumeBuffer.open_sent).
+        The answer comes in the background; a failure leaves the stream unshared, like a failed write."""
         await self.local.open(request_id, owner, kind)
         if time.monotonic() < self._skip_until:
             self.unshared.add(request_id)
             return
-        sent = asyncio.get_running_loop().create_future()
-        answer = self.shared.open_sent(request_id, owner, kind, lambda: _settle(sent))
+        answer = self.shared.open_sent(request_id, owner, kind, None)
         self._answers[request_id] = answer
         answer.add_done_callback(lambda _: self._open_answered(request_id, answer))
-        answer.add_done_callback(lambda _: _settle(sent))  # not sent at once (a full socket, a failure): its answer
-        try:
-            await sent
-        except BaseException:  # cancelled: nothing will relay this stream
-            answer.cancel()  # left out of its write if that has not gone yet
-            self.release(request_id)
-            raise
 
     def _open_answered(self, request_id: str, answer: asyncio.Future) -> None:
         if self._answers.get(request_id) is answer:
@@ -168,10 +160,13 @@ class FleetResumeBuffer:
         self.local.forget(request_id)
         self.unshared.discard(request_id)
 
-    async def discard(self, request_id: str) -> None:
+    async def settled(self, request_id: str) -> None:
         answer = self._answers.get(request_id)
-        if answer is not None:  # the open first: the delete, on another connection, could overtake it
+        if answer is not None:
             await asyncio.wait({answer})
+
+    async def discard(self, request_id: str) -> None:
+        await self.settled(request_id)  # the open first: the delete, on another connection, could overtake it
         shared = request_id not in self.unshared
         self.release(request_id)
         if shared:  # else Redis may hold its open, left to expire (a request that never started is not resumed)
@@ -183,8 +178,3 @@ class FleetResumeBuffer:
 
     async def keep_alive(self) -> None:
         await self.shared.keep_alive()
-
-
-def _settle(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)

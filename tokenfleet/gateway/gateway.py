@@ -126,11 +126,13 @@ class Gateway:
         try:
             tokens = await self._plan(p, caller)
             fmt = event_format(p.request_id) if event_format else _event_format(p.request_id, p.req, native)
+            ahead = self._ask_ahead(p, caller, tokens, affinity, span)
             # the stream's open in the buffer does not depend on the quota's answer: its round trip overlaps the
             # reservation's (a refused request's stream is discarded; nothing has reached a replica)
             opening = asyncio.ensure_future(self.buffer.open(p.request_id, caller.tenant, fmt.kind))
             opened_at = time.monotonic()
-            ahead = self._ask_ahead(p, caller, tokens, affinity, span)
+            if ahead is not None:  # the replica asked before the reservation is made (the upstream's time overlaps it)
+                await asyncio.sleep(0)
             admitted = await self.admission.reserve_for(p.request_id, caller, tokens)
         except BaseException as e:
             _end_span(admission, e)

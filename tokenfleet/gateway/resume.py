@@ -72,6 +72,9 @@ class ResumeBuffer(Protocol):
     def resumable(self, request_id: str) -> bool:
         """Whether a client can resume the stream (False when it could not be kept where resumes read)."""
 
+    async def settled(self, request_id: str) -> None:
+        """Until `resumable` is known for the stream (its open answered; at once where there is nothing to wait for)."""
+
     def release(self, request_id: str) -> None:
         """This gateway has stopped relaying the stream; a copy kept only for its own readers may go."""
 
@@ -193,6 +196,9 @@ class MemoryResumeBuffer:
 
     def resumable(self, request_id: str) -> bool:
         return True
+
+    async def settled(self, request_id: str) -> None:
+        return None
 
     def release(self, request_id: str) -> None:
         """Nothing to do: this is the stream's only copy, kept until it expires."""
@@ -516,6 +522,9 @@ class RedisResumeBuffer:
 
     def resumable(self, request_id: str) -> bool:
         return True
+
+    async def settled(self, request_id: str) -> None:
+        return None
 
     def release(self, request_id: str) -> None:
         """Nothing to do: Redis expires the stream."""

@@ -24,7 +24,7 @@ def add_response_routes(app: FastAPI, gateway: Gateway, db: Database) -> Respons
         body = await read_json(request)
         # a client that leaves while its request waits for room gives the room back
         running = await until_disconnect(request, service.create(caller, body))
-        headers = relay_headers(gateway, running.relay)
+        headers = await relay_headers(gateway, running.relay)
         if isinstance(body, dict) and body.get("stream"):
             return gateway.streams.sse(running.relay.request_id, 0, headers)
         await until_disconnect(request, _whole(running))

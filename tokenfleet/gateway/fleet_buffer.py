@@ -59,6 +59,8 @@ class FleetResumeBuffer:
         self._skip_until = 0.0
         self._failing = False
         self._answers: dict[str, asyncio.Future] = {}  # request id -> its open's answer, while still to come
+        self._copied: set[str] = set()  # streams with a write in the copy
+        self._settling: dict[str, asyncio.Future] = {}  # request id -> a reader waiting for `settled`
 
     async def open(self, request_id: str, owner: str = "", kind: str = "openai") -> None:
         """Returns once the open is queued for this tick's write to Redis: the stream's writes may go before the open's
@@ -94,6 +96,10 @@ class FleetResumeBuffer:
     ) -> None:
         def copy_now() -> None:
             self.local.add_many(request_id, events)
+            self._copied.add(request_id)
+            waiter = self._settling.get(request_id)
+            if waiter is not None:
+                _settle(waiter)
             if shown is not None:
                 shown()
 
@@ -159,14 +165,27 @@ class FleetResumeBuffer:
     def release(self, request_id: str) -> None:
         self.local.forget(request_id)
         self.unshared.discard(request_id)
+        self._copied.discard(request_id)
 
     async def settled(self, request_id: str) -> None:
+        """Until the open's answer, or the stream's first write readable here, whichever comes first (so the first
+        token never waits for the answer). A Redis that is down has refused the open by then: the first write goes
+        in a later script call than the open, and reaches the copy only once it, too, failed."""
         answer = self._answers.get(request_id)
-        if answer is not None:
-            await asyncio.wait({answer})
+        if answer is None or answer.done() or request_id in self._copied:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._settling[request_id] = waiter
+        answer.add_done_callback(lambda _: _settle(waiter))
+        try:
+            await waiter
+        finally:
+            self._settling.pop(request_id, None)
 
     async def discard(self, request_id: str) -> None:
-        await self.settled(request_id)  # the open first: the delete, on another connection, could overtake it
+        answer = self._answers.get(request_id)
+        if answer is not None:  # the open first: the delete, on another connection, could overtake it
+            await asyncio.wait({answer})
         shared = request_id not in self.unshared
         self.release(request_id)
         if shared:  # else Redis may hold its open, left to expire (a request that never started is not resumed)
@@ -178,3 +197,8 @@ class FleetResumeBuffer:
 
     async def keep_alive(self) -> None:
         await self.shared.keep_alive()
+
+
+def _settle(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)

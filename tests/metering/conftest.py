@@ -16,8 +16,10 @@ from tokenfleet.store.db import Database
 
 
 @pytest.fixture
-def outbox(db: Database) -> Outbox:
-    return Outbox(db)
+async def outbox(db: Database) -> Any:
+    outbox = Outbox(db)
+    yield outbox
+    await outbox.aclose()
 
 
 @pytest.fixture

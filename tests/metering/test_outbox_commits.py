@@ -70,3 +70,25 @@ async def test_the_statements_of_one_write_commit_together(db: Database, outbox:
     with pytest.raises(ConnectionError):
         await outbox.write([event(1)], [event(2), event(3)], utcnow() + timedelta(seconds=30))
     assert await stored(db) == {}  # the statements written before the failure were rolled back with it
+
+
+async def test_group_commits_share_one_connection_and_a_broken_one_is_replaced(db: Database, outbox: Outbox):
+    checkouts: list[int] = []
+    sa_event.listen(db.engine.sync_engine, "checkout", lambda *_: checkouts.append(1))
+    lease = utcnow() + timedelta(seconds=30)
+    for i in range(5):
+        await outbox.write([event(i)], [], lease)
+    assert len(checkouts) == 1  # taken once, kept for the next writes
+    if db.is_sqlite:
+        return
+    async with db.engine.connect() as other:  # the database drops it (a restart, a failover, an idle timeout)
+        await other.exec_driver_sql(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid() AND state = 'idle'"
+        )
+    before = len(checkouts)
+    with pytest.raises(Exception):  # noqa: B017 - whatever the driver raises for a dead connection
+        await outbox.write([event(10)], [], lease)
+    await outbox.write([event(11)], [event(10)], lease)  # the recorder's retry: on a new connection
+    assert len(checkouts) == before + 1
+    assert (await stored(db))[event(10).request_id] is True and (await stored(db))[event(11).request_id] is False

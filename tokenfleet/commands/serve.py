@@ -221,7 +221,7 @@ def add_metering(gateway: Gateway, config: FleetConfig, db: Database) -> None:
     if settings.write_warehouse:
         writer = WarehouseWriter(db, event_log, settings.consumer or socket.gethostname())
         gateway.services.append(writer.run)
-    gateway.closers += [recorder.flush, event_log.close]
+    gateway.closers += [recorder.flush, recorder.outbox.aclose, event_log.close]
 
 
 async def resend_unwritten(outbox: Outbox) -> None:

@@ -8,6 +8,7 @@ them (until then they may be sent again)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -41,18 +42,42 @@ CHECKPOINT = (
 class Outbox:
     def __init__(self, db: Database) -> None:
         self.db = db
+        self._held: AsyncConnection | None = None  # the autocommit connection of `write`, kept open
+        self._holding = asyncio.Lock()  # one write on it at a time
 
     @contextlib.asynccontextmanager
-    async def _writing(self, statements: int) -> AsyncIterator[AsyncConnection]:
+    async def _writing(self, statements: int, held: bool = False) -> AsyncIterator[AsyncConnection]:
         """A connection for `statements` writes that commit together: in a transaction when there are several; one
         statement commits on its own (autocommit), the same one commit without the BEGIN and COMMIT round trips,
-        which cost the gateway about a third of a one-row write's CPU (bench/gateway_capacity.py)."""
+        which cost the gateway about a third of a one-row write's CPU (bench/gateway_capacity.py). `held`: on the
+        connection kept open for the recorder's group commits (`write`), not one taken from the pool and given back,
+        which costs about as much again (docs/benchmarks/gateway_capacity.md, round 6); `aclose` gives it back."""
         if statements > 1:
             async with self.db.engine.begin() as connection:
                 yield connection
-            return
-        async with self.db.engine.connect() as connection:
-            yield await connection.execution_options(isolation_level="AUTOCOMMIT")
+        elif not held:
+            async with self.db.engine.connect() as connection:
+                yield await connection.execution_options(isolation_level="AUTOCOMMIT")
+        else:
+            async with self._holding:
+                connection = self._held
+                if connection is None:
+                    connection = await self.db.engine.connect()
+                    self._held = connection = await connection.execution_options(isolation_level="AUTOCOMMIT")
+                try:
+                    yield connection
+                except BaseException:  # it may be broken (the database restarted): the next write takes a new one
+                    self._held = None
+                    with contextlib.suppress(Exception):
+                        await connection.invalidate()
+                    raise
+
+    async def aclose(self) -> None:
+        """Gives back the connection kept for `write` (at shutdown; a later write takes a new one)."""
+        async with self._holding:
+            connection, self._held = self._held, None
+            if connection is not None:
+                await connection.close()
 
     async def add(self, event: UsageEvent) -> bool:
         """Stores the event; False (and nothing written) when its request_id is already in the outbox."""
@@ -86,7 +111,7 @@ class Outbox:
         rows = [_row(e, lease_until) for e in opens if e.request_id not in finals] + list(finals.values())
         if not rows:
             return
-        async with self._writing(-(-len(rows) // CHUNK_ROWS)) as connection:
+        async with self._writing(-(-len(rows) // CHUNK_ROWS), held=True) as connection:
             await _record(connection, rows)
 
     async def reap(

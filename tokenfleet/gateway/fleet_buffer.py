@@ -64,13 +64,13 @@ class FleetResumeBuffer:
 
     async def open(self, request_id: str, owner: str = "", kind: str = "openai") -> None:
         """Returns once the open is queued for this tick's write to Redis: the stream's writes may go before the open's
-        answer, and even before the open itself, which they carry until it is answered (RedisResumeBuffer.open_sent).
+        answer, and even before the open itself, which they carry until it is answered (RedisResumeBuffer.queue_open).
         The answer comes in the background; a failure leaves the stream unshared, like a failed write."""
         await self.local.open(request_id, owner, kind)
         if time.monotonic() < self._skip_until:
             self.unshared.add(request_id)
             return
-        answer = self.shared.open_sent(request_id, owner, kind, None)
+        answer = self.shared.queue_open(request_id, owner, kind)
         self._answers[request_id] = answer
         answer.add_done_callback(lambda _: self._open_answered(request_id, answer))
 

@@ -393,22 +393,19 @@ class RedisResumeBuffer:
         return f"{self.prefix}gateway-alive:{gateway_id}"
 
     async def open(self, request_id: str, owner: str = "", kind: str = "openai") -> None:
-        await self.open_sent(request_id, owner, kind, None)
+        await self.queue_open(request_id, owner, kind)
 
-    def open_sent(
-        self, request_id: str, owner: str, kind: str, sent: Callable[[], None] | None
-    ) -> asyncio.Future[object]:
-        """open, queued for this tick's write now; the future is its answer, and `sent` (if given) is called once it
-        has left this process for Redis, before Redis answers. Until the answer, this stream's writes carry the open
-        too, as an entry added only where the stream does not exist yet: whichever of them Redis runs first opens
-        the stream, so a write need not wait for the open's answer (they may go on different connections, in any
-        order)."""
+    def queue_open(self, request_id: str, owner: str, kind: str) -> asyncio.Future[object]:
+        """open, queued for this tick's write now; the future is its answer. Until the answer, this stream's writes
+        carry the open too, as an entry added only where the stream does not exist yet: whichever of them Redis runs
+        first opens the stream, so a write need not wait for the open's answer (they may go on different
+        connections, in any order)."""
         fields: list[str | int] = [self.OPEN, owner, "format", kind]
         if self.gateway_id:
             fields += ["gateway", self.gateway_id]
         entry: list[str | int] = [-len(fields), *fields]  # negative: only where the stream does not exist
         self._unanswered_opens[request_id] = entry
-        answer = self._writes.submit(_Write(self._key(request_id), 1, entry, bool(self.gateway_id), sent))
+        answer = self._writes.submit(_Write(self._key(request_id), 1, entry, bool(self.gateway_id)))
         answer.add_done_callback(lambda _: self._open_answered(request_id, entry))
         return answer
 

@@ -26,7 +26,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from tokenfleet.api.errors import APIError
 from tokenfleet.api.usage import Usage
-from tokenfleet.gateway.resume import REDIS_FAILURES, Follower, MemoryResumeBuffer, RedisResumeBuffer, StreamEvent
+from tokenfleet.gateway.resume import (
+    REDIS_FAILURES,
+    Follower,
+    MemoryResumeBuffer,
+    RedisResumeBuffer,
+    StreamEvent,
+    settle,
+)
 from tokenfleet.quota.redis_client import Once
 
 log = logging.getLogger(__name__)
@@ -59,7 +66,6 @@ class FleetResumeBuffer:
         self._skip_until = 0.0
         self._failing = False
         self._answers: dict[str, asyncio.Future] = {}  # request id -> its open's answer, while still to come
-        self._copied: set[str] = set()  # streams with a write in the copy
         self._settling: dict[str, asyncio.Future] = {}  # request id -> a reader waiting for `settled`
 
     async def open(self, request_id: str, owner: str = "", kind: str = "openai") -> None:
@@ -77,7 +83,7 @@ class FleetResumeBuffer:
     def _open_answered(self, request_id: str, answer: asyncio.Future) -> None:
         if self._answers.get(request_id) is answer:
             del self._answers[request_id]
-        if answer.cancelled():  # its request was given up before the open went out
+        if answer.cancelled():  # its write never went out (the loop is shutting down)
             pass
         elif (error := answer.exception()) is not None:
             self._shared_failed(request_id, error)
@@ -96,10 +102,9 @@ class FleetResumeBuffer:
     ) -> None:
         def copy_now() -> None:
             self.local.add_many(request_id, events)
-            self._copied.add(request_id)
             waiter = self._settling.get(request_id)
             if waiter is not None:
-                _settle(waiter)
+                settle(waiter)
             if shown is not None:
                 shown()
 
@@ -165,18 +170,17 @@ class FleetResumeBuffer:
     def release(self, request_id: str) -> None:
         self.local.forget(request_id)
         self.unshared.discard(request_id)
-        self._copied.discard(request_id)
 
     async def settled(self, request_id: str) -> None:
         """Until the open's answer, or the stream's first write readable here, whichever comes first (so the first
         token never waits for the answer). A Redis that is down has refused the open by then: the first write goes
         in a later script call than the open, and reaches the copy only once it, too, failed."""
         answer = self._answers.get(request_id)
-        if answer is None or answer.done() or request_id in self._copied:
+        if answer is None or answer.done() or self.local.written(request_id):
             return
         waiter = asyncio.get_running_loop().create_future()
         self._settling[request_id] = waiter
-        answer.add_done_callback(lambda _: _settle(waiter))
+        answer.add_done_callback(lambda _: settle(waiter))
         try:
             await waiter
         finally:
@@ -197,8 +201,3 @@ class FleetResumeBuffer:
 
     async def keep_alive(self) -> None:
         await self.shared.keep_alive()
-
-
-def _settle(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)

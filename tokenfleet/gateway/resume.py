@@ -107,7 +107,7 @@ class _Log:
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
         self.waiters.append(waiter)
-        timer = loop.call_later(timeout_s, _settle, waiter)
+        timer = loop.call_later(timeout_s, settle, waiter)
         try:
             await waiter
         finally:
@@ -116,7 +116,7 @@ class _Log:
                 self.waiters.remove(waiter)
 
 
-def _settle(waiter: asyncio.Future) -> None:
+def settle(waiter: asyncio.Future) -> None:
     if not waiter.done():
         waiter.set_result(None)
 
@@ -202,6 +202,11 @@ class MemoryResumeBuffer:
 
     def release(self, request_id: str) -> None:
         """Nothing to do: this is the stream's only copy, kept until it expires."""
+
+    def written(self, request_id: str) -> bool:
+        """Whether the stream holds an event."""
+        log = self._logs.get(request_id)
+        return log is not None and bool(log.events)
 
     def holds(self, request_id: str) -> bool:
         self._expire()

@@ -49,7 +49,6 @@ class UsageRecorder:
         self.unsaved: dict[str, UsageEvent] = {}  # final events whose write failed, retried by `run`
         self._opens: dict[str, Snapshot] = {}  # requests whose open waits for the next batch
         self._closes: dict[str, UsageEvent] = {}  # final events waiting for the next batch
-        self._opened: set[str] = set()  # running requests whose open a batch has taken
         self._due: float | None = None  # when the next batch must go (time.monotonic())
         self._nudge: asyncio.Future | None = None  # wakes the writer when the next batch is due sooner
         self._writer: asyncio.Task | None = None  # writes batches while there are any; one at a time
@@ -62,13 +61,12 @@ class UsageRecorder:
 
     def finished(self, event: UsageEvent) -> None:
         request_id = event.request_id
-        self.live.pop(request_id, None)
-        # the row is open (or its open on the way): the close may wait for company; else it is the request's only write
-        opened = request_id in self._opened
-        self._opened.discard(request_id)
-        self._opens.pop(request_id, None)
+        running = self.live.pop(request_id, None) is not None
+        unwritten = self._opens.pop(request_id, None) is not None  # its open not taken by a batch yet: dropped
         self._closes[request_id] = event
-        self._queued(self.close_batch_s if opened else self.batch_s)
+        # a running request whose open a batch took has its row open (or on the way): its close may wait for company;
+        # else the close is the request's only write
+        self._queued(self.close_batch_s if running and not unwritten else self.batch_s)
 
     def _queued(self, within_s: float) -> None:
         """A write queued that must go within `within_s`: the next batch goes then, or sooner."""
@@ -88,19 +86,13 @@ class UsageRecorder:
             opens, self._opens = self._opens, {}
             closes, self._closes = self._closes, {}
             self._due = None
-            self._opened.update(opens)
             await self._write([snapshot() for snapshot in opens.values()], list(closes.values()))
 
     async def _until_due(self) -> None:
-        loop = asyncio.get_running_loop()
         while self._due is not None and (wait_s := self._due - time.monotonic()) > 0:
-            self._nudge = nudge = loop.create_future()
-            timer = loop.call_later(wait_s, _settle, nudge)
-            try:
-                await nudge
-            finally:
-                timer.cancel()
-                self._nudge = None
+            self._nudge = asyncio.get_running_loop().create_future()
+            await asyncio.wait({self._nudge}, timeout=wait_s)
+        self._nudge = None
 
     async def _write(self, opens: list[UsageEvent], closes: list[UsageEvent]) -> None:
         try:
@@ -162,8 +154,3 @@ class UsageRecorder:
 
     def _lease_until(self):
         return utcnow() + timedelta(seconds=self.lease_s)
-
-
-def _settle(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)
